@@ -1,0 +1,72 @@
+"""Prompt sets and head-training text read from the installed data packages (real files, a few seconds)."""
+import pytest
+
+from vllm_entmtp.datasets import (GSM8K_EVAL_ROWS, PROMPT_SETS, Prompt, load_prompts, sharegpt_split,
+                                  training_conversations)
+
+
+@pytest.mark.parametrize("name,count", [("humaneval", 164), ("gsm8k", GSM8K_EVAL_ROWS), ("mtbench", 80),
+                                        ("creative", 143)])
+def test_eval_counts(name, count):
+    assert len(load_prompts(name)) == count
+
+
+@pytest.mark.parametrize("name", PROMPT_SETS)
+def test_fields_non_empty_and_unique(name):
+    prompts = load_prompts(name)
+    assert prompts and all(isinstance(p, Prompt) for p in prompts)
+    for p in prompts:
+        assert p.dataset == name and p.id
+        assert len(p.messages) == 1 and p.messages[0]["role"] == "user"
+        assert p.messages[0]["content"].strip()
+    assert len({p.id for p in prompts}) == len(prompts)
+
+
+def test_templates_and_order():
+    he = load_prompts("humaneval", limit=2)
+    assert [p.id for p in he] == ["HumanEval/0", "HumanEval/1"]
+    assert he[0].messages[0]["content"].startswith("Complete this Python function:\n\n```python\nfrom typing")
+    assert he[0].messages[0]["content"].endswith("\n```")
+    g = load_prompts("gsm8k", limit=1)[0]
+    assert g.id == "gsm8k/0"
+    assert g.messages[0]["content"].startswith("Solve this grade school math problem. Show your reasoning and "
+                                               "end with the final answer.\n\nJanet")
+    assert load_prompts("sharegpt", limit=5) == load_prompts("sharegpt", limit=5)
+
+
+def test_limit():
+    assert len(load_prompts("mtbench", limit=7)) == 7
+
+
+def test_splits_disjoint():
+    g_eval = {p.id for p in load_prompts("gsm8k")}
+    g_train = {p.id for p in load_prompts("gsm8k", split="train")}
+    assert len(g_eval) == 300 and len(g_train) == 1319 - 300 and not g_eval & g_train
+    s_eval = load_prompts("sharegpt")
+    s_train = load_prompts("sharegpt", split="train")
+    assert 900 < len(s_eval) < 1300 and len(s_train) > 9000
+    assert not {p.id for p in s_eval} & {p.id for p in s_train}
+    # all parts of one conversation share a split
+    assert sharegpt_split("abc_0") == sharegpt_split("abc_7")
+
+
+def test_training_text_excludes_eval_prompts():
+    docs = training_conversations(sources=("sharegpt", "gsm8k"))
+    eval_ids = {p.id for n in ("gsm8k", "sharegpt") for p in load_prompts(n)}
+    eval_texts = {p.messages[0]["content"] for p in load_prompts("sharegpt")}
+    assert len(docs["gsm8k"]) == 1019 and len(docs["sharegpt"]) > 12000
+    for src in docs.values():
+        for d in src:
+            assert d.id not in eval_ids
+            assert d.messages[0]["role"] == "user" and d.messages[1]["role"] == "assistant"
+    assert not {d.messages[0]["content"] for d in docs["sharegpt"]} & eval_texts
+    assert "<<" not in docs["gsm8k"][0].messages[1]["content"]
+
+
+def test_unknown_names():
+    with pytest.raises(ValueError, match="humaneval, gsm8k, sharegpt, mtbench, creative"):
+        load_prompts("nope")
+    with pytest.raises(ValueError, match="eval only"):
+        load_prompts("humaneval", split="train")
+    with pytest.raises(ValueError, match="split"):
+        load_prompts("gsm8k", split="test")

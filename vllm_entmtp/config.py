@@ -1,0 +1,71 @@
+"""Options of the ``entmtp`` speculative method, validated at start-up.
+
+A user writes them next to vLLM's own keys in ``--speculative-config``::
+
+    --speculative-config '{"method": "entmtp", "model": "<heads dir>", "num_speculative_tokens": 4}'
+
+Keys that vLLM itself defines (``method``, ``model``, ``num_speculative_tokens``, ...) keep vLLM's meaning:
+``model`` is the MTP heads checkpoint (when absent, the heads registered for the target model are used) and
+``num_speculative_tokens`` is the largest number of draft tokens one request may carry in one step (default:
+the number of heads). Every other key belongs to :class:`EntMTPConfig`; an unknown key or a bad value raises
+:class:`~vllm_entmtp.errors.EntMTPConfigError` naming the key and what is allowed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from vllm_entmtp.errors import EntMTPError
+
+
+class EntMTPConfigError(EntMTPError):
+    """A key of ``--speculative-config`` for the ``entmtp`` method is unknown or has a bad value."""
+
+
+class EntMTPConfig(BaseModel):
+    """The entmtp-specific keys of ``--speculative-config`` (all optional)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    draft_confidence_threshold: float = Field(
+        default=0.0, ge=0.0, lt=1.0,
+        description="Per request and step, the draft chain stops before the first head whose path "
+                    "confidence (product of the heads' top-1 probabilities along the chain) falls below this "
+                    "value, so a request may carry fewer draft tokens, or none. 0 drafts every head.")
+
+
+def entmtp_keys() -> list[str]:
+    """The keys :class:`EntMTPConfig` accepts, in declaration order."""
+    return list(EntMTPConfig.model_fields)
+
+
+def _describe(field_name: str) -> str:
+    f = EntMTPConfig.model_fields[field_name]
+    bounds = [f"{type(m).__name__.lower()} {getattr(m, a)}" for m in f.metadata
+              for a in ("ge", "gt", "le", "lt") if hasattr(m, a)]
+    ann = getattr(f.annotation, "__name__", str(f.annotation))
+    return f"{field_name} ({ann}{', ' + ', '.join(bounds) if bounds else ''}; default {f.default!r})"
+
+
+def parse_entmtp_options(options: dict[str, Any], vllm_keys: list[str]) -> EntMTPConfig:
+    """Validate the entmtp-specific ``options`` (keys not defined by vLLM's SpeculativeConfig).
+
+    Raises:
+        EntMTPConfigError: an unknown key (the message lists vLLM's and entmtp's allowed keys) or a bad value
+            (the message names the key, the value and the allowed range).
+    """
+    unknown = [k for k in options if k not in EntMTPConfig.model_fields]
+    if unknown:
+        raise EntMTPConfigError(
+            f"unknown key(s) {unknown} in --speculative-config for method 'entmtp'. Allowed entmtp keys: "
+            f"{', '.join(_describe(k) for k in entmtp_keys())}; and vLLM's own keys: {', '.join(vllm_keys)}")
+    try:
+        return EntMTPConfig(**options)
+    except ValidationError as e:
+        msgs = []
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"])
+            allowed = _describe(key) if key in EntMTPConfig.model_fields else ""
+            msgs.append(f"{key}={err.get('input')!r}: {err['msg']}" + (f"; allowed: {allowed}" if allowed else ""))
+        raise EntMTPConfigError("invalid --speculative-config for method 'entmtp': " + "; ".join(msgs)) from None

@@ -1,0 +1,86 @@
+"""Offline generation with vLLM for tests and benchmark scripts: one engine per call, in this process.
+
+Used by ``tests/test_lossless.py`` (through a subprocess, one engine per process) and
+``benchmarks/acceptance.py``. Imports vLLM lazily; callers need an ``if __name__ == "__main__":`` guard
+because vLLM's CPU engine starts its processes with ``spawn``.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class SpecDecodeCounts:
+    """vLLM's spec-decode counters after a run. Mean acceptance length includes the bonus token."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted draft tokens per drafting step (bonus token included; 1.0 = no gain)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+def spec_decode_counts(llm) -> SpecDecodeCounts:
+    """Read vLLM's spec-decode counters from ``LLM.get_metrics()``."""
+    counts = SpecDecodeCounts()
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            counts.num_drafts = int(m.value)
+        elif m.name == "vllm:spec_decode_num_draft_tokens":
+            counts.num_draft_tokens = int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            counts.num_accepted_tokens = int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            counts.accepted_per_position = [int(v) for v in m.values]
+    return counts
+
+
+def make_llm(model: str, speculative_config: dict | None, *, dtype: str = "bfloat16", max_model_len: int = 2048,
+             max_num_seqs: int = 8, seed: int = 0, **kwargs: Any):
+    """A vLLM ``LLM`` (eager mode: no compile warm-up) with spec-decode stats enabled."""
+    from vllm import LLM
+
+    return LLM(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+               enforce_eager=True, seed=seed, speculative_config=speculative_config,
+               disable_log_stats=False, **kwargs)
+
+
+def generate_chat(llm, conversations: list[list[dict]], *, max_tokens: int, concurrency: int,
+                  temperature: float = 0.0, extra_args: list[dict | None] | None = None) -> dict:
+    """Greedy (by default) chat completions. ``concurrency == 1`` sends one request at a time; otherwise all at
+    once, so the engine runs up to ``max_num_seqs`` of them together.
+
+    Returns ``{"token_ids": [[...]], "texts": [...], "finish_reasons": [...], "seconds": float,
+    "spec": SpecDecodeCounts as dict}`` (counters are totals since the engine started).
+    """
+    from vllm import SamplingParams
+
+    def params(i):
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i,
+                              extra_args=(extra_args[i] if extra_args else None))
+
+    t0 = time.perf_counter()
+    if concurrency == 1:
+        outs = [llm.chat([c], params(i), use_tqdm=False)[0] for i, c in enumerate(conversations)]
+    else:
+        outs = llm.chat(conversations, [params(i) for i in range(len(conversations))], use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    return {
+        "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+        "texts": [o.outputs[0].text for o in outs],
+        "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+        "seconds": seconds,
+        "spec": asdict(spec_decode_counts(llm)),
+    }
+
+
+def dump(obj: Any, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)

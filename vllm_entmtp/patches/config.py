@@ -1,0 +1,120 @@
+"""Patch of ``vllm.config.speculative.SpeculativeConfig``: accept and validate ``"method": "entmtp"``.
+
+Runs in every vLLM process (the front end validates first, so bad options fail at start-up, before any engine
+process exists). See the table in :mod:`vllm_entmtp.patches`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal, Union
+
+from vllm_entmtp.config import EntMTPConfigError, parse_entmtp_options
+from vllm_entmtp.errors import HeadsCheckpointError
+from vllm_entmtp.heads.medusa import read_heads_config
+
+METHOD = "entmtp"
+#: vLLM's method that entmtp runs under (hidden states handed to the drafter, async scheduling off, V1 runner).
+INNER_METHOD = "medusa"
+
+
+def _extra_keys(obj) -> list[str]:
+    fields = obj.__dataclass_fields__
+    return [k for k in vars(obj) if k not in fields and not k.startswith("_")]
+
+
+def resolve_heads(model: str | None, target_model_config) -> Path:
+    """Directory of the MTP heads checkpoint: ``model`` (a local folder or a hub repo id), else the heads
+    registered for the target model.
+
+    Raises:
+        EntMTPConfigError: no ``model`` given and none registered for the target.
+        HeadsCheckpointError: ``model`` is neither a local folder nor downloadable.
+    """
+    from vllm_entmtp.models import find_registered_heads
+
+    if model is None:
+        target = getattr(target_model_config, "model", None)
+        found = find_registered_heads(str(target), getattr(target_model_config, "hf_config", None))
+        if found is None:
+            raise EntMTPConfigError(
+                f"method 'entmtp': no MTP heads are registered for the target model {target!r}; pass the heads "
+                "checkpoint as \"model\": \"<folder or hub id>\" in --speculative-config "
+                "(train some with `vllm-entmtp train-heads`)")
+        return found
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    try:  # a hub repo id, for users who can reach a hub
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=model))
+    except Exception as e:  # noqa: BLE001 - any failure means: not found
+        raise HeadsCheckpointError(f"method 'entmtp': MTP heads \"model\": {model!r} is not a local folder and "
+                                   f"could not be downloaded from a model hub ({type(e).__name__}: {e})") from e
+
+
+def _check_heads_fit(heads_dir: Path, target_model_config) -> "object":
+    cfg = read_heads_config(heads_dir)
+    hf = getattr(target_model_config, "hf_config", None)
+    text = getattr(hf, "get_text_config", lambda: hf)() if hf is not None else None
+    for name in ("hidden_size", "vocab_size"):
+        want = getattr(text, name, None)
+        if want is not None and getattr(cfg, name) != want:
+            raise HeadsCheckpointError(
+                f"MTP heads {heads_dir} do not fit the target model {getattr(target_model_config, 'model', '?')}: "
+                f"heads {name}={getattr(cfg, name)}, target {name}={want}")
+    return cfg
+
+
+def apply() -> None:
+    from pydantic.dataclasses import rebuild_dataclass
+    from vllm.config import speculative as S
+
+    SC = S.SpeculativeConfig
+    if getattr(SC, "_entmtp_patched", False):
+        return
+    # 1. "entmtp" becomes a valid method; extra keys are let through to __post_init__, which validates them.
+    SC.__pydantic_config__["extra"] = "allow"
+    lit = Union[S.SpeculativeMethod, Literal[METHOD]] | None
+    SC.__annotations__["method"] = lit
+    SC.__dataclass_fields__["method"].type = lit
+    vllm_keys = sorted(f.name for f in dataclasses.fields(SC) if f.init)
+    orig_post_init = SC.__post_init__
+
+    def __post_init__(self) -> None:
+        extras = {k: getattr(self, k) for k in _extra_keys(self)}
+        for k in extras:
+            delattr(self, k)
+        if self.method != METHOD:
+            if extras:  # vLLM forbids unknown keys; keep it so for every other method
+                raise ValueError(f"unknown key(s) {sorted(extras)} in the speculative config "
+                                 f"(method {self.method!r}); allowed keys: {', '.join(vllm_keys)}")
+            return orig_post_init(self)
+        options = parse_entmtp_options(extras, vllm_keys)
+        if self.target_model_config is None:
+            raise EntMTPConfigError("method 'entmtp' needs the target model's config (target_model_config)")
+        heads_dir = resolve_heads(self.model, self.target_model_config)
+        heads_cfg = _check_heads_fit(heads_dir, self.target_model_config)
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = heads_cfg.num_heads
+        elif self.num_speculative_tokens > heads_cfg.num_heads:
+            raise EntMTPConfigError(
+                f"method 'entmtp': num_speculative_tokens={self.num_speculative_tokens} but the heads {heads_dir} "
+                f"have {heads_cfg.num_heads} heads, and a chain of draft tokens takes one token per head; allowed: "
+                f"1..{heads_cfg.num_heads}")
+        self.model = str(heads_dir)
+        self.method = INNER_METHOD
+        orig_post_init(self)
+        # Read by the runner patch in every process (survives pickling to the engine core and workers).
+        self.entmtp = options
+        self.entmtp_heads = str(heads_dir)
+
+    SC.__post_init__ = __post_init__
+    rebuild_dataclass(SC, force=True)
+    SC._entmtp_patched = True
+
+
+def entmtp_options(speculative_config) -> "object | None":
+    """The validated :class:`~vllm_entmtp.config.EntMTPConfig` of a SpeculativeConfig, or None if not entmtp."""
+    return getattr(speculative_config, "entmtp", None)

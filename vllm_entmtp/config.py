@@ -28,6 +28,17 @@ class EntMTPConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    tree_set: str | None = Field(
+        default=None,
+        description="A tree set: a name in the repository's trees/ folder (e.g. 'default', 'medusa63') or the "
+                    "path of a tree-set JSON file (docs/trees.md). Each request drafts one tree of the set.")
+    tree_id: str | None = Field(
+        default=None,
+        description="Which tree of tree_set every request drafts (a static tree; default: the set's largest).")
+    tree: list[list[int]] | None = Field(
+        default=None,
+        description="An inline static tree: paths of top-k ranks per head, e.g. [[0], [1], [0, 0]]. Excludes "
+                    "tree_set.")
     draft_confidence_threshold: float = Field(
         default=0.0, ge=0.0, lt=1.0,
         description="Per request and step, the draft chain stops before the first head whose path "
@@ -42,8 +53,8 @@ def entmtp_keys() -> list[str]:
 
 def _describe(field_name: str) -> str:
     f = EntMTPConfig.model_fields[field_name]
-    bounds = [f"{type(m).__name__.lower()} {getattr(m, a)}" for m in f.metadata
-              for a in ("ge", "gt", "le", "lt") if hasattr(m, a)]
+    ops = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    bounds = [f"{ops[a]} {getattr(m, a)}" for m in f.metadata for a in ops if getattr(m, a, None) is not None]
     ann = getattr(f.annotation, "__name__", str(f.annotation))
     return f"{field_name} ({ann}{', ' + ', '.join(bounds) if bounds else ''}; default {f.default!r})"
 
@@ -69,3 +80,26 @@ def parse_entmtp_options(options: dict[str, Any], vllm_keys: list[str]) -> EntMT
             allowed = _describe(key) if key in EntMTPConfig.model_fields else ""
             msgs.append(f"{key}={err.get('input')!r}: {err['msg']}" + (f"; allowed: {allowed}" if allowed else ""))
         raise EntMTPConfigError("invalid --speculative-config for method 'entmtp': " + "; ".join(msgs)) from None
+
+
+def resolve_static_tree(options: EntMTPConfig, num_heads: int):
+    """The static tree the options ask for, validated against ``num_heads``, or None for chains.
+
+    Raises:
+        EntMTPConfigError: ``tree`` and ``tree_set`` together, or ``tree_id`` without ``tree_set``.
+        TreeSetError: a malformed tree or tree-set file, an unknown name or id (all named).
+    """
+    from vllm_entmtp.trees import load_tree_set, parse_inline_tree
+
+    if options.tree is not None and options.tree_set is not None:
+        raise EntMTPConfigError("method 'entmtp': give either 'tree' (inline paths) or 'tree_set', not both")
+    if options.tree_id is not None and options.tree_set is None:
+        raise EntMTPConfigError("method 'entmtp': 'tree_id' selects a tree of 'tree_set'; give 'tree_set' too")
+    if options.tree is not None:
+        return parse_inline_tree(options.tree, num_heads)
+    if options.tree_set is None:
+        return None
+    ts = load_tree_set(options.tree_set, num_heads=num_heads)
+    if options.tree_id is not None:
+        return ts.get(options.tree_id)
+    return max((t for _, t in ts.trees), key=lambda t: t.num_nodes)

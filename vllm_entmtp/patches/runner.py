@@ -1,37 +1,62 @@
-"""Patch of the V1 model runner's drafter: ``vllm.v1.worker.gpu_model_runner.MedusaProposer``.
+"""Patches of vLLM's V1 model runner (``vllm.v1.worker.gpu_model_runner``), which ``CPUModelRunner`` inherits.
 
-The runner builds its drafter with ``MedusaProposer(vllm_config=..., device=...)`` (looked up in the module's
-globals) when the method is ``medusa``, which is what ``entmtp`` runs as (see ``config.py``). Replacing that
-global with :class:`EntMTPProposer` gives the runner our drafter; the runner's ``medusa`` branch of
-``propose_draft_token_ids`` then hands it the hidden state of each request's last accepted token. The CPU runner
-(``CPUModelRunner``) inherits all of it. See the table in :mod:`vllm_entmtp.patches`.
+| symbol | change |
+|---|---|
+| ``MedusaProposer`` (module global the runner builds its drafter with, for method ``medusa``) | replaced by :class:`EntMTPProposer`: the project's heads, the target's lm_head, a tree (or chain) per request |
+| ``GPUModelRunner.__init__`` | gives the drafter a handle on the runner (per-request sampling params) |
+| ``GPUModelRunner._prepare_inputs`` | after vLLM built the step: tree rows get positions root + depth, and are recorded in :data:`~vllm_entmtp.patches.tree_step.STEP` for the attention override |
+| ``GPUModelRunner._sample`` | after vLLM's chain rejection sampler: tree requests are re-verified by a tree walk (greedy) or tree rejection sampling, and their accepted path's K/V is moved to consecutive cache slots |
+| ``GPUModelRunner.propose_draft_token_ids`` | for entmtp, the hidden state handed to the heads is the one of each request's last *accepted* node |
+| ``CPU_ATTN`` attention backend | registered as :class:`~vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend` (ancestor mask for tree rows) |
+
+Requests whose sampling needs vLLM's own sampler (logprobs, penalties, bad words, logit bias, allowed tokens,
+min_tokens, min_p, structured output) draft chains, which vLLM verifies itself.
 """
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
+
+from vllm_entmtp.patches.tree_step import STEP, TreeRows, fix_rows_for
+from vllm_entmtp.trees import Tree
 
 logger = logging.getLogger("vllm_entmtp")
 
 #: ``SamplingParams.extra_args`` key (``vllm_xargs`` in the OpenAI API) capping one request's draft tokens.
 REQUEST_DRAFT_TOKENS_KEY = "entmtp_num_draft_tokens"
+_SAMPLING_EPS = 1e-5
+
+
+def tree_eligible(sp) -> bool:
+    """Whether a request's sampling parameters let it draft a tree (else a chain, verified by vLLM)."""
+    if sp is None:
+        return False
+    return (sp.logprobs is None and sp.prompt_logprobs is None
+            and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0 and sp.repetition_penalty == 1.0
+            and not getattr(sp, "bad_words", None) and not sp.logit_bias and not sp.allowed_token_ids
+            and not sp.min_tokens and not sp.min_p and getattr(sp, "structured_outputs", None) is None)
+
+
+def _is_chain(tree: Tree) -> bool:
+    return tree.num_nodes == tree.depth
 
 
 def _make_proposer_class():
     from vllm.v1.spec_decode.medusa import MedusaProposer
 
     from vllm_entmtp.heads.medusa import load_heads
-    from vllm_entmtp.proposer import ChainDrafter
+    from vllm_entmtp.proposer import MTPDrafter
 
     class EntMTPProposer(MedusaProposer):
         """vLLM drafter for ``entmtp``: the project's MTP heads, sharing the target's lm_head.
 
-        ``propose`` returns a list of per-request draft-token lists of varying length (0 allowed), which
-        vLLM's scheduler and verification accept (as they do from its ngram proposer).
+        ``propose`` returns per-request draft-token lists of varying length (0 allowed), each a tree in
+        canonical order; :attr:`pending` remembers each request's tree until vLLM schedules its tokens.
         """
 
-        runner = None  # set by the runner patch: per-request state lives there
+        runner = None  # set by the runner patch
 
         def load_model(self, target_model: torch.nn.Module) -> None:
             spec = self.spec_config
@@ -39,17 +64,33 @@ def _make_proposer_class():
             heads = load_heads(spec.entmtp_heads, hidden_size=text_cfg.hidden_size,
                                vocab_size=text_cfg.vocab_size, dtype=self.dtype, device=self.device)
             self.model = heads
-            self.drafter = ChainDrafter(heads, target_model.compute_logits,
-                                        confidence_threshold=spec.entmtp.draft_confidence_threshold)
-            logger.info("entmtp: loaded %d MTP heads from %s", heads.num_heads, spec.entmtp_heads)
+            self.drafter = MTPDrafter(heads, target_model.compute_logits,
+                                      confidence_threshold=spec.entmtp.draft_confidence_threshold)
+            self.pending: dict[str, tuple[Tree, list[int]]] = {}
+            self.static_tree = Tree(spec.entmtp_tree) if spec.entmtp_tree else None
+            if self.static_tree is not None and not self._tree_attention_available():
+                logger.warning("entmtp: tree verification needs vLLM's CPU attention with the 'vec' KV layout; "
+                               "drafting chains instead of the configured tree")
+                self.static_tree = None
+            logger.info("entmtp: %d MTP heads from %s; drafting %s", heads.num_heads, spec.entmtp_heads,
+                        f"a {self.static_tree.num_nodes}-node tree" if self.static_tree else "chains")
 
-        def _request_budgets(self, num_speculative_tokens: int, n: int) -> list[int]:
-            budgets = [min(num_speculative_tokens, self.num_speculative_tokens)] * n
-            runner = self.runner
-            if runner is None:
-                return budgets
-            for i, req_id in enumerate(runner.input_batch.req_ids[:n]):
-                req = runner.requests.get(req_id)
+        def _tree_attention_available(self) -> bool:
+            from vllm.platforms import current_platform
+
+            if not current_platform.is_cpu():
+                return False
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            from vllm_entmtp.patches.tree_attention import SUPPORTED_ISA
+
+            mc, cc = self.vllm_config.model_config, self.vllm_config.cache_config
+            return _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype) == SUPPORTED_ISA
+
+        def _request_budgets(self, num_speculative_tokens: int, req_ids: list[str]) -> list[int]:
+            budgets = [min(num_speculative_tokens, self.num_speculative_tokens)] * len(req_ids)
+            for i, req_id in enumerate(req_ids):
+                req = self.runner.requests.get(req_id) if self.runner is not None else None
                 extra = getattr(getattr(req, "sampling_params", None), "extra_args", None) or {}
                 if REQUEST_DRAFT_TOKENS_KEY in extra:
                     v = extra[REQUEST_DRAFT_TOKENS_KEY]
@@ -60,10 +101,31 @@ def _make_proposer_class():
                                        req_id, REQUEST_DRAFT_TOKENS_KEY, v)
             return budgets
 
+        def _tree_for(self, req_id: str, budget: int) -> Tree | None:
+            if budget <= 0:
+                return None
+            tree = self.static_tree
+            if tree is not None and self.runner is not None:
+                req = self.runner.requests.get(req_id)
+                if tree_eligible(getattr(req, "sampling_params", None)):
+                    return tree.prefix(min(budget, tree.num_nodes))
+            return Tree.chain(min(budget, self.model.num_heads))
+
         def propose(self, num_speculative_tokens, target_hidden_states, sampling_metadata,
-                    slot_mappings=None) -> list[list[int]]:
+                    slot_mappings=None, active: list[bool] | None = None) -> list[list[int]]:
             n = target_hidden_states.shape[0]
-            return self.drafter.propose(target_hidden_states, self._request_budgets(num_speculative_tokens, n))
+            req_ids = list(self.runner.input_batch.req_ids[:n]) if self.runner is not None else [""] * n
+            budgets = self._request_budgets(num_speculative_tokens, req_ids)
+            if active is not None:
+                budgets = [b if a else 0 for b, a in zip(budgets, active)]
+            trees = [self._tree_for(r, b) for r, b in zip(req_ids, budgets)]
+            drafts = self.drafter.propose(target_hidden_states, trees)
+            for req_id, tree, toks in zip(req_ids, trees, drafts):
+                if tree is not None and toks and not _is_chain(tree):
+                    self.pending[req_id] = (tree, toks)
+                else:
+                    self.pending.pop(req_id, None)
+            return drafts
 
         @torch.inference_mode()
         def dummy_run(self, num_tokens: int) -> None:
@@ -73,21 +135,141 @@ def _make_proposer_class():
     return EntMTPProposer
 
 
+def _record_tree_rows(runner, scheduler_output) -> None:
+    """After ``_prepare_inputs``: positions of tree rows = root + depth; fill STEP for attention/sampling."""
+    drafter = runner.drafter
+    for req_id in scheduler_output.finished_req_ids:
+        drafter.pending.pop(req_id, None)
+    rows: dict[int, TreeRows] = {}
+    if drafter.pending:
+        qsl = runner.query_start_loc.np
+        sched_spec = scheduler_output.scheduled_spec_decode_tokens
+        for b, req_id in enumerate(runner.input_batch.req_ids):
+            rec = drafter.pending.get(req_id)
+            sched = sched_spec.get(req_id) if rec is not None else None
+            if not sched:
+                continue
+            tree, toks = rec
+            n = len(sched)
+            if list(sched) != toks[:n]:  # not the tokens we proposed for this tree: vLLM verifies a chain
+                continue
+            tree = tree.prefix(n)
+            if _is_chain(tree):
+                continue
+            q0 = int(qsl[b])
+            root_pos = int(runner.positions[q0])
+            runner.positions[q0 + 1:q0 + 1 + n] = root_pos + torch.tensor(tree.depths, dtype=runner.positions.dtype)
+            rows[b] = TreeRows(b, q0, toks[:n], tree.parents, tree.ancestor_mask(), fix_rows_for(tree.parents))
+    STEP.reset(rows)
+    runner._entmtp_last_rows = {}
+
+
+def _verify_trees(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output) -> None:
+    """Overwrite the tree requests' sampled tokens with the tree walk's, then compact their K/V."""
+    from vllm_entmtp.verify import apply_sampling_params, greedy_accept, tree_rejection_sample
+
+    nd = spec_decode_metadata.num_draft_tokens
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(nd) + 1)])
+    sampled = sampler_output.sampled_token_ids
+    moves: list[tuple[TreeRows, list[int]]] = []
+    for b, tr in STEP.rows.items():
+        off, t = int(offsets[b]), nd[b] + 1
+        if t != tr.num_rows:
+            raise RuntimeError(f"entmtp: request row count mismatch ({t} logits rows, {tr.num_rows} tree rows)")
+        req = runner.requests[runner.input_batch.req_ids[b]]
+        sp = req.sampling_params
+        rows = logits[off:off + t]
+        if sp.temperature < _SAMPLING_EPS:
+            am = rows.argmax(dim=-1).tolist()
+            path = greedy_accept(tr.draft_tokens, tr.parents, am)
+            nxt = am[path[-1] if path else 0]
+        else:
+            probs = apply_sampling_params(rows.float(), sp.temperature, sp.top_k, sp.top_p)
+            path, nxt = tree_rejection_sample(tr.draft_tokens, tr.parents, probs, req.generator)
+        emitted = [tr.draft_tokens[j - 1] for j in path] + [nxt]
+        sampled[b].fill_(-1)
+        sampled[b, :len(emitted)] = torch.tensor(emitted, dtype=sampled.dtype)
+        runner._entmtp_last_rows[b] = off + (path[-1] if path else 0)
+        if path != list(range(1, len(path) + 1)):
+            moves.append((tr, path))
+    if moves:
+        _compact_kv(moves)
+
+
+def _compact_kv(moves: list[tuple[TreeRows, list[int]]]) -> None:
+    """Write the K/V of accepted node ``path[k-1]`` into the cache slot of row ``k`` (consecutive positions),
+    in every layer, so that the scheduler's "accepted tokens sit right after the context" holds."""
+    from vllm import _custom_ops as ops
+
+    lo = STEP.row_lo
+    src, dst = [], []
+    for tr, path in moves:
+        for k, node in enumerate(path, start=1):
+            if node != k:
+                src.append(tr.q0 + node - lo)
+                dst.append(tr.q0 + k - lo)
+    src_t, dst_t = torch.tensor(src), torch.tensor(dst)
+    for layer, impl, kv_cache, key, value, slots in STEP.kv.values():
+        nb, hkv, bs, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(nb, hkv, bs * 2, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key[src_t].contiguous(), value[src_t].contiguous(), key_cache, value_cache,
+                                       slots[dst_t].contiguous(), layer.isa, k_scale=layer._k_scale_float,
+                                       v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype)
+
+
 def apply() -> None:
     import vllm.v1.worker.gpu_model_runner as gmr
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if getattr(gmr, "_entmtp_patched", False):
         return
     proposer_cls = _make_proposer_class()
     gmr.MedusaProposer = proposer_cls
-    runner_cls = gmr.GPUModelRunner
-    orig_init = runner_cls.__init__
+    register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend")
+    R = gmr.GPUModelRunner
+    orig_init, orig_prepare, orig_sample, orig_propose = (
+        R.__init__, R._prepare_inputs, R._sample, R.propose_draft_token_ids)
 
     def __init__(self, *args, **kwargs):
         orig_init(self, *args, **kwargs)
-        drafter = getattr(self, "drafter", None)
-        if isinstance(drafter, proposer_cls):
-            drafter.runner = self
+        if isinstance(getattr(self, "drafter", None), proposer_cls):
+            self.drafter.runner = self
 
-    runner_cls.__init__ = __init__
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        out = orig_prepare(self, scheduler_output, num_scheduled_tokens)
+        if isinstance(getattr(self, "drafter", None), proposer_cls):
+            _record_tree_rows(self, scheduler_output)
+        return out
+
+    def _sample(self, logits, spec_decode_metadata):
+        out = orig_sample(self, logits, spec_decode_metadata)
+        if spec_decode_metadata is not None and STEP.rows:
+            _verify_trees(self, logits, spec_decode_metadata, out)
+        return out
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                sample_hidden_states, aux_hidden_states, spec_decode_metadata,
+                                common_attn_metadata, slot_mappings):
+        if not isinstance(getattr(self, "drafter", None), proposer_cls):
+            return orig_propose(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                sample_hidden_states, aux_hidden_states, spec_decode_metadata,
+                                common_attn_metadata, slot_mappings)
+        n = len(sampled_token_ids)
+        if sample_hidden_states.shape[0] == n:
+            hidden = sample_hidden_states
+        else:
+            last_rows = getattr(self, "_entmtp_last_rows", {})
+            idx, off = [], 0
+            for b, (num_draft, toks) in enumerate(zip(spec_decode_metadata.num_draft_tokens, sampled_token_ids)):
+                idx.append(last_rows.get(b, off + max(len(toks), 1) - 1))
+                off += num_draft + 1
+            hidden = sample_hidden_states[torch.tensor(idx, device=sample_hidden_states.device)]
+        active = [len(t) > 0 for t in sampled_token_ids]  # no drafts for prefill chunks
+        return self.drafter.propose(scheduler_output.num_spec_tokens_to_schedule, hidden, sampling_metadata,
+                                    active=active)
+
+    R.__init__ = __init__
+    R._prepare_inputs = _prepare_inputs
+    R._sample = _sample
+    R.propose_draft_token_ids = propose_draft_token_ids
     gmr._entmtp_patched = True

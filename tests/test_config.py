@@ -1,0 +1,113 @@
+"""The entmtp method inside vLLM's config: plugin registration, good and bad options, heads that don't fit."""
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+
+from conftest import make_heads
+
+
+@pytest.fixture(scope="module")
+def spec_cls():
+    import vllm.plugins
+    from vllm.config import SpeculativeConfig
+
+    vllm.plugins.load_general_plugins()
+    return SpeculativeConfig
+
+
+def _make(spec_cls, target_model_config, **kw):
+    from vllm.config import ParallelConfig
+
+    return spec_cls(target_model_config=target_model_config, target_parallel_config=ParallelConfig(), **kw)
+
+
+def test_entry_point_is_registered():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert any(ep.name == "entmtp" and ep.value == "vllm_entmtp.plugin:register" for ep in eps)
+
+
+def test_register_is_idempotent(spec_cls):
+    from vllm_entmtp.plugin import register
+
+    post_init = spec_cls.__post_init__
+    register()
+    register()
+    assert spec_cls.__post_init__ is post_init and spec_cls._entmtp_patched
+
+
+def test_defaults_use_registered_heads(spec_cls, target_model_config, default_heads):
+    sc = _make(spec_cls, target_model_config, method="entmtp")
+    from vllm_entmtp.heads.medusa import read_heads_config
+
+    assert sc.entmtp_heads == default_heads and sc.model == default_heads
+    assert sc.num_speculative_tokens == read_heads_config(default_heads).num_heads
+    assert sc.entmtp.draft_confidence_threshold == 0.0
+    assert sc.method == "medusa"  # entmtp runs on vLLM's medusa plumbing (vllm_entmtp/patches/config.py)
+
+
+def test_explicit_options(spec_cls, target_model_config, tmp_path):
+    make_heads(tmp_path, num_heads=3)
+    sc = _make(spec_cls, target_model_config, method="entmtp", model=str(tmp_path), num_speculative_tokens=2,
+               draft_confidence_threshold=0.25)
+    assert sc.num_speculative_tokens == 2 and sc.entmtp.draft_confidence_threshold == 0.25
+    assert sc.entmtp_heads == str(tmp_path)
+
+
+def test_unknown_key_is_named_with_allowed_keys(spec_cls, target_model_config):
+    with pytest.raises(ValueError) as e:
+        _make(spec_cls, target_model_config, method="entmtp", tree_sett="x")
+    msg = str(e.value)
+    assert "unknown key(s) ['tree_sett']" in msg and "draft_confidence_threshold" in msg
+    assert "num_speculative_tokens" in msg
+
+
+@pytest.mark.parametrize("value", [1.5, -0.1, "high"])
+def test_bad_value_is_named_with_allowed_range(spec_cls, target_model_config, value):
+    with pytest.raises(ValueError) as e:
+        _make(spec_cls, target_model_config, method="entmtp", draft_confidence_threshold=value)
+    assert "draft_confidence_threshold=" in str(e.value) and ">= 0.0, < 1.0" in str(e.value)
+
+
+def test_more_draft_tokens_than_heads_is_refused(spec_cls, target_model_config, tmp_path):
+    make_heads(tmp_path, num_heads=2)
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=3 but the heads .* have 2 heads.*1\.\.2"):
+        _make(spec_cls, target_model_config, method="entmtp", model=str(tmp_path), num_speculative_tokens=3)
+
+
+def test_heads_that_do_not_fit_the_target_are_refused(spec_cls, target_model_config, tmp_path):
+    make_heads(tmp_path, hidden_size=64, vocab_size=49152)
+    with pytest.raises(ValueError, match=r"heads hidden_size=64, target hidden_size=576"):
+        _make(spec_cls, target_model_config, method="entmtp", model=str(tmp_path))
+
+
+def test_missing_heads_folder_is_refused(spec_cls, target_model_config, tmp_path):
+    with pytest.raises(ValueError, match=r"is not a local folder and could not be downloaded"):
+        _make(spec_cls, target_model_config, method="entmtp", model=str(tmp_path / "nope"))
+
+
+def test_other_methods_still_refuse_unknown_keys(spec_cls, target_model_config):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['draft_confidence_threshold'\].*'ngram'"):
+        _make(spec_cls, target_model_config, method="ngram", num_speculative_tokens=2,
+              draft_confidence_threshold=0.5)
+    sc = _make(spec_cls, target_model_config, method="ngram", num_speculative_tokens=2)
+    assert sc.method == "ngram" and not hasattr(sc, "entmtp")
+
+
+def test_unsupported_vllm_version_is_refused():
+    from vllm_entmtp.patches import check_vllm_version
+
+    assert check_vllm_version("0.32.0+cpu") == "0.32.0"
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0.32.0 only; the installed vLLM is 0.33.1"):
+        check_vllm_version("0.33.1")
+
+
+@pytest.mark.engine
+def test_vllm_serve_fails_at_startup_on_a_bad_option(default_model):
+    """The real command line: a bad key stops `vllm serve` before any engine starts, naming the key."""
+    vllm_cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", default_model, "--port", "0",
+                "--speculative-config", '{"method": "entmtp", "tree_sett": "gsm8k"}']
+    p = subprocess.run(vllm_cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert "unknown key(s) ['tree_sett']" in p.stderr + p.stdout

@@ -187,3 +187,13 @@ def test_bad_sampling_params_raise():
         apply_sampling_params(x, -0.5, None, None)
     with pytest.raises(ValueError, match="top_p"):
         apply_sampling_params(x, 1.0, None, 0.0)
+
+
+def test_inverse_cdf_draw_skips_zero_mass_tokens_and_reports_an_empty_residual():
+    from vllm_entmtp.verify import _draw
+
+    row = torch.tensor([0.0, 0.2, 0.0, 0.8, 0.0])
+    assert _draw(row, [], 0.0) == 1 and _draw(row, [], 0.1999) == 1 and _draw(row, [], 0.2001) == 3
+    assert _draw(row, [], 1.0 - 2.0 ** -53) == 3  # never the trailing zero-mass token
+    assert _draw(row, [1], 0.0) == 3
+    assert _draw(row, [1, 3], 0.5) is None

@@ -83,7 +83,8 @@ def parse_entmtp_options(options: dict[str, Any], vllm_keys: list[str]) -> EntMT
 
 
 def resolve_static_tree(options: EntMTPConfig, num_heads: int):
-    """The static tree the options ask for, validated against ``num_heads``, or None for chains.
+    """``(tree id, tree)`` of the static tree the options ask for, validated against ``num_heads``, or
+    ``(None, None)`` for chains.
 
     Raises:
         EntMTPConfigError: ``tree`` and ``tree_set`` together, or ``tree_id`` without ``tree_set``.
@@ -96,10 +97,10 @@ def resolve_static_tree(options: EntMTPConfig, num_heads: int):
     if options.tree_id is not None and options.tree_set is None:
         raise EntMTPConfigError("method 'entmtp': 'tree_id' selects a tree of 'tree_set'; give 'tree_set' too")
     if options.tree is not None:
-        return parse_inline_tree(options.tree, num_heads)
+        return "inline", parse_inline_tree(options.tree, num_heads)
     if options.tree_set is None:
-        return None
+        return None, None
     ts = load_tree_set(options.tree_set, num_heads=num_heads)
     if options.tree_id is not None:
-        return ts.get(options.tree_id)
-    return max((t for _, t in ts.trees), key=lambda t: t.num_nodes)
+        return options.tree_id, ts.get(options.tree_id)
+    return max(ts.trees, key=lambda it: it[1].num_nodes)

@@ -42,13 +42,26 @@ def spec_decode_counts(llm) -> SpecDecodeCounts:
     return counts
 
 
+def tree_stats(llm) -> dict:
+    """The entmtp tree-verification counters of the (first) worker, cumulative (``vllm_entmtp.stats``)."""
+    from vllm_entmtp.stats import worker_stats
+
+    return llm.collective_rpc(worker_stats)[0]
+
+
 def make_llm(model: str, speculative_config: dict | None, *, dtype: str = "bfloat16", max_model_len: int = 2048,
              max_num_seqs: int = 8, seed: int = 0, gpu_memory_utilization: float = 0.3, **kwargs: Any):
     """A vLLM ``LLM`` (eager mode: no compile warm-up) with spec-decode stats enabled.
 
+    Allows pickled RPCs to the workers (``VLLM_ALLOW_INSECURE_SERIALIZATION``) so that :func:`tree_stats` can
+    read the drafter's counters; this is an offline harness running only its own code.
+
     On CPU, ``gpu_memory_utilization`` is the share of the NUMA node's memory vLLM insists is free at start-up
     (the KV cache size comes from ``VLLM_CPU_KVCACHE_SPACE``); 0.3 lets tests run beside other jobs.
     """
+    import os
+
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM
 
     return LLM(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -57,7 +70,8 @@ def make_llm(model: str, speculative_config: dict | None, *, dtype: str = "bfloa
 
 
 def generate_chat(llm, conversations: list[list[dict]], *, max_tokens: int, concurrency: int,
-                  temperature: float = 0.0, extra_args: list[dict | None] | None = None) -> dict:
+                  temperature: float = 0.0, extra_args: list[dict | None] | None = None,
+                  stop: list[str] | None = None) -> dict:
     """Greedy (by default) chat completions. ``concurrency == 1`` sends one request at a time; otherwise all at
     once, so the engine runs up to ``max_num_seqs`` of them together.
 
@@ -67,7 +81,7 @@ def generate_chat(llm, conversations: list[list[dict]], *, max_tokens: int, conc
     from vllm import SamplingParams
 
     def params(i):
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i,
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, stop=stop,
                               extra_args=(extra_args[i] if extra_args else None))
 
     t0 = time.perf_counter()
@@ -95,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     JOB: ``{"model": dir, "speculative_config": {...} | null, "dtype": "float32", "max_model_len": 1024,
     "max_num_seqs": 8, "conversations": [[{"role":..., "content":...}], ...], "max_tokens": 64,
-    "phases": [{"name": "bs1", "concurrency": 1, "extra_args": [...] | null}, ...]}``.
+    "phases": [{"name": "bs1", "concurrency": 1, "extra_args": [...] | null, "stop": [...] | null}, ...]}``.
     OUT: ``{phase name: generate_chat(...) result}``; spec counters are per phase (differences).
     """
     import sys
@@ -109,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     results, before = {}, SpecDecodeCounts()
     for phase in job["phases"]:
         r = generate_chat(llm, job["conversations"], max_tokens=job["max_tokens"],
-                          concurrency=phase["concurrency"], extra_args=phase.get("extra_args"))
+                          concurrency=phase["concurrency"], extra_args=phase.get("extra_args"),
+                          stop=phase.get("stop"))
         total = SpecDecodeCounts(**r["spec"])
         r["spec"] = asdict(SpecDecodeCounts(
             num_drafts=total.num_drafts - before.num_drafts,
@@ -119,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 total.accepted_per_position,
                 before.accepted_per_position or [0] * len(total.accepted_per_position))]))
         before = total
+        r["tree_stats"] = tree_stats(llm)
         results[phase["name"]] = r
     dump(results, out_path)
     return 0

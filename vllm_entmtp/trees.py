@@ -20,6 +20,7 @@ names the file (or "inline tree"), the tree id and the offending path.
 from __future__ import annotations
 
 import json
+import operator
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -207,12 +208,18 @@ def _validate_paths(paths: Iterable[Sequence[int]]) -> tuple[tuple[int, ...], ..
             raise TreeSetError(f"paths[{i}] = {p!r} is not a list of top-k ranks")
         if len(p) == 0:
             raise TreeSetError(f"paths[{i}] is an empty path (the root is implicit; a node needs >= 1 rank)")
+        ranks = []
         for r in p:
-            if isinstance(r, bool) or not isinstance(r, int):
-                raise TreeSetError(f"path {_fmt(p)} has rank {r!r}, not an int")
+            try:
+                if isinstance(r, bool):
+                    raise TypeError
+                r = operator.index(r)  # int, numpy and torch integers; not bool, float or str
+            except TypeError:
+                raise TreeSetError(f"path {_fmt(p)} has rank {r!r}, not an int") from None
             if r < 0:
                 raise TreeSetError(f"path {_fmt(p)} has negative rank {r} (ranks are 0-based top-k indices)")
-        out.append(tuple(int(r) for r in p))
+            ranks.append(r)
+        out.append(tuple(ranks))
     if not out:
         raise TreeSetError("empty tree (no paths; a tree needs at least one node, e.g. [[0]])")
     seen: set[tuple[int, ...]] = set()

@@ -127,31 +127,32 @@ def tree_rejection_sample(draft_tokens: Sequence[int], parents: Sequence[int], t
         total, low = totals[node], lows[node]
         if not (0.0 < total < float("inf") and low >= 0.0):
             raise ValueError(f"target_probs row {node} is not a distribution (sum {total}, min {low})")
-        row_total = total
         rejected: list[int] = []
+        last_with_mass = -1  # the last rejected token of positive probability
         moved = False
         for c in children[node]:
             x, px = draft_tokens[c - 1], node_prob[c - 1]
             if x in rejected:
                 continue  # p(x) is already 0: rejected with certainty
-            if uniforms[c - 1] * total < px:
+            if px > 0.0 and uniforms[c - 1] * total < px:
                 accepted.append(c)
                 node = c
                 moved = True
                 break
             rejected.append(x)
+            if px > 0.0:
+                last_with_mass = x
             total -= px
-            if total <= 1e-12 * row_total:
-                # x held (numerically) all the remaining mass, yet u * total >= p(x): float round-off only.
-                # The residual is then a point mass on x, so x is the draw from it.
-                return accepted, x
         if not moved:
-            return accepted, _draw(target_probs[node], rejected, uniforms[n])
+            nxt = _draw(target_probs[node], rejected, uniforms[n])
+            # None: the rejected tokens held all of the row's mass, so in exact arithmetic the last of them with
+            # positive probability would have been accepted with certainty; only float round-off gets here.
+            return accepted, last_with_mass if nxt is None else nxt
 
 
-def _draw(row: torch.Tensor, zeroed: list[int], u: float) -> int:
+def _draw(row: torch.Tensor, zeroed: list[int], u: float) -> int | None:
     """Inverse-CDF draw from ``row`` ([V] float, >= 0) with the entries ``zeroed`` set to 0, given ``u`` in
-    [0, 1). Never returns a token of zero mass."""
+    [0, 1); never a token of zero mass. None if nothing is left (all mass in ``zeroed``)."""
     if zeroed:
         row = row.clone()
         row[zeroed] = 0.0
@@ -159,7 +160,8 @@ def _draw(row: torch.Tensor, zeroed: list[int], u: float) -> int:
     top = cdf[-1:]
     # First token whose cdf exceeds u * total; capped at the last token of positive mass (float round-off).
     idx = torch.minimum(torch.searchsorted(cdf, top * u, right=True), torch.searchsorted(cdf, top, right=False))
-    return int(idx.item())
+    i, mass = torch.cat([idx.to(torch.float64), top]).tolist()
+    return int(i) if mass > 0.0 else None
 
 
 def apply_sampling_params(logits: torch.Tensor, temperature: float, top_k: int | None = None,

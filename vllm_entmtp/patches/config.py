@@ -98,7 +98,7 @@ def apply() -> None:
             raise EntMTPConfigError("method 'entmtp' needs the target model's config (target_model_config)")
         heads_dir = resolve_heads(self.model, self.target_model_config)
         heads_cfg = _check_heads_fit(heads_dir, self.target_model_config)
-        tree = resolve_static_tree(options, heads_cfg.num_heads)
+        tree_id, tree = resolve_static_tree(options, heads_cfg.num_heads)
         if tree is not None:
             # A tree is verified whole: the step's draft-token budget is its node count.
             if self.num_speculative_tokens is not None and self.num_speculative_tokens != tree.num_nodes:
@@ -120,6 +120,7 @@ def apply() -> None:
         self.entmtp = options
         self.entmtp_heads = str(heads_dir)
         self.entmtp_tree = [list(p) for p in tree.paths] if tree is not None else None
+        self.entmtp_tree_id = tree_id
 
     SC.__post_init__ = __post_init__
     rebuild_dataclass(SC, force=True)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from vllm_entmtp.patches.tree_step import STEP, TreeRows, fix_rows_for
+from vllm_entmtp.stats import TreeStats
 from vllm_entmtp.trees import Tree
 
 logger = logging.getLogger("vllm_entmtp")
@@ -67,7 +68,9 @@ def _make_proposer_class():
             self.drafter = MTPDrafter(heads, target_model.compute_logits,
                                       confidence_threshold=spec.entmtp.draft_confidence_threshold)
             self.pending: dict[str, tuple[Tree, list[int]]] = {}
+            self.tree_stats = TreeStats()
             self.static_tree = Tree(spec.entmtp_tree) if spec.entmtp_tree else None
+            self.static_tree_id = getattr(spec, "entmtp_tree_id", None) or "tree"
             if self.static_tree is not None and not self._tree_attention_available():
                 logger.warning("entmtp: tree verification needs vLLM's CPU attention with the 'vec' KV layout; "
                                "drafting chains instead of the configured tree")
@@ -159,7 +162,9 @@ def _record_tree_rows(runner, scheduler_output) -> None:
             q0 = int(qsl[b])
             root_pos = int(runner.positions[q0])
             runner.positions[q0 + 1:q0 + 1 + n] = root_pos + torch.tensor(tree.depths, dtype=runner.positions.dtype)
-            rows[b] = TreeRows(b, q0, toks[:n], tree.parents, tree.ancestor_mask(), fix_rows_for(tree.parents))
+            tree_id = drafter.static_tree_id if n == drafter.static_tree.num_nodes else f"{drafter.static_tree_id}@{n}"
+            rows[b] = TreeRows(b, q0, toks[:n], tree.parents, tree.ancestor_mask(), fix_rows_for(tree.parents),
+                               tree_id=tree_id, ranks=tree.ranks)
     STEP.reset(rows)
     runner._entmtp_last_rows = {}
 
@@ -190,6 +195,7 @@ def _verify_trees(runner, logits: torch.Tensor, spec_decode_metadata, sampler_ou
         sampled[b].fill_(-1)
         sampled[b, :len(emitted)] = torch.tensor(emitted, dtype=sampled.dtype)
         runner._entmtp_last_rows[b] = off + (path[-1] if path else 0)
+        runner.drafter.tree_stats.record(tr.tree_id, len(tr.draft_tokens), path, tr.ranks)
         if path != list(range(1, len(path) + 1)):
             moves.append((tr, path))
     if moves:

@@ -28,6 +28,7 @@ class TreeRows:
     mask: torch.Tensor
     fix_rows: list[int]
     tree_id: str = ""
+    ranks: list[int] = field(default_factory=list)  # top-k rank of each node (for statistics)
 
     @property
     def num_rows(self) -> int:

@@ -1,0 +1,43 @@
+"""Counters of tree verification, per worker process (plain Python; no vLLM import).
+
+Read them offline with ``LLM.collective_rpc(vllm_entmtp.stats.worker_stats)``; ``benchmarks/acceptance.py``
+and the tests do. Acceptance lengths here exclude the bonus token.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class TreeStats:
+    tree_steps: int = 0            # request-steps verified as a tree (chains are counted by vLLM's own metrics)
+    nodes_verified: int = 0        # draft nodes in those trees
+    tokens_accepted: int = 0       # accepted draft tokens (bonus excluded)
+    non_first_branch_paths: int = 0  # accepted paths that leave the top-1 chain somewhere
+    kv_slots_moved: int = 0        # accepted nodes whose K/V was moved to a consecutive slot
+    per_tree: dict = field(default_factory=dict)  # tree id -> [steps, nodes, accepted]
+
+    def record(self, tree_id: str, num_nodes: int, path: list[int], ranks: list[int]) -> None:
+        """One verified tree: ``path`` = accepted node indices (1-based), ``ranks[j-1]`` = node j's rank."""
+        self.tree_steps += 1
+        self.nodes_verified += num_nodes
+        self.tokens_accepted += len(path)
+        if any(ranks[j - 1] != 0 for j in path):
+            self.non_first_branch_paths += 1
+        self.kv_slots_moved += sum(1 for k, node in enumerate(path, start=1) if node != k)
+        entry = self.per_tree.setdefault(tree_id, [0, 0, 0])
+        entry[0] += 1
+        entry[1] += num_nodes
+        entry[2] += len(path)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["per_tree"] = {k: {"steps": v[0], "nodes": v[1], "accepted": v[2]} for k, v in self.per_tree.items()}
+        return d
+
+
+def worker_stats(worker) -> dict:
+    """For ``LLM.collective_rpc``: the entmtp drafter's :class:`TreeStats` of this worker, as a dict."""
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    stats = getattr(drafter, "tree_stats", None)
+    return stats.as_dict() if stats is not None else {}

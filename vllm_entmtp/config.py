@@ -12,9 +12,11 @@ the number of heads). Every other key belongs to :class:`EntMTPConfig`; an unkno
 """
 from __future__ import annotations
 
-from typing import Any
+import types
+import typing
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 from vllm_entmtp.errors import EntMTPError
 
@@ -44,6 +46,42 @@ class EntMTPConfig(BaseModel):
         description="Per request and step, the draft chain stops before the first head whose path "
                     "confidence (product of the heads' top-1 probabilities along the chain) falls below this "
                     "value, so a request may carry fewer draft tokens, or none. 0 drafts every head.")
+    policy: Literal["static", "entropy", "confidence"] = Field(
+        default="static",
+        description="How a request's tree is chosen each step. 'static': every request drafts the same tree "
+                    "(tree_id, tree, or chains). 'entropy': thresholds on the EMA of the target's next-token "
+                    "entropy pick a tree of tree_set (low entropy -> larger tree). 'confidence': thresholds on "
+                    "the heads' path confidence (product of their top-1 probabilities) do. The thresholds come "
+                    "from the tree set's 'schedule' (docs/trees.md) or, without one, a ladder of its trees by "
+                    "size. Needs tree_set unless 'static'.")
+    entropy_window: StrictInt = Field(
+        default=16, ge=1,
+        description="Window W of the per-request bias-corrected EMA of the entropy (beta = 1 - 1/W); also of "
+                    "each head's top-1 probability for the confidence signal. 1 = the last step only.")
+    acceptance_window: StrictInt = Field(
+        default=8, ge=1,
+        description="Window of the per-request EMA of accepted draft tokens per step (bonus excluded).")
+    hysteresis: float = Field(
+        default=0.05, ge=0.0, allow_inf_nan=False,
+        description="A request moves to another tree only when its signal crosses the threshold by more than "
+                    "this margin (nats for 'entropy', probability for 'confidence'). When this key is not given "
+                    "and the tree set's schedule has a 'hysteresis', the schedule's value is used.")
+    warmup_steps: StrictInt = Field(
+        default=2, ge=0,
+        description="A request's first steps (signal updates) draft the default tree (tree_id, or the most "
+                    "aggressive tree of the ladder) before its signal is trusted.")
+    max_verify_tokens_per_step: StrictInt | None = Field(
+        default=None, ge=1,
+        description="Load cap for 'entropy' and 'confidence': draft nodes plus one root per request, summed "
+                    "over the batch, per step. When the chosen trees exceed it, requests step down to smaller "
+                    "trees (largest first), down to no drafting. None: 64.")
+
+    @model_validator(mode="after")
+    def _policy_needs_tree_set(self) -> EntMTPConfig:
+        if self.policy != "static" and self.tree_set is None:
+            raise ValueError(f"policy={self.policy!r} chooses among the trees of a tree set: give 'tree_set' "
+                             f"too (e.g. \"tree_set\": \"default\"), or use policy 'static'")
+        return self
 
 
 def entmtp_keys() -> list[str]:
@@ -51,11 +89,24 @@ def entmtp_keys() -> list[str]:
     return list(EntMTPConfig.model_fields)
 
 
+def _type_name(ann: Any) -> str:
+    origin = typing.get_origin(ann)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(ann))
+    if origin is Annotated:  # StrictInt
+        return _type_name(typing.get_args(ann)[0])
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(ann))
+    if ann is type(None):
+        return "None"
+    return str(ann) if origin is not None else getattr(ann, "__name__", str(ann))
+
+
 def _describe(field_name: str) -> str:
     f = EntMTPConfig.model_fields[field_name]
     ops = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
     bounds = [f"{ops[a]} {getattr(m, a)}" for m in f.metadata for a in ops if getattr(m, a, None) is not None]
-    ann = getattr(f.annotation, "__name__", str(f.annotation))
+    ann = _type_name(f.annotation)
     return f"{field_name} ({ann}{', ' + ', '.join(bounds) if bounds else ''}; default {f.default!r})"
 
 
@@ -76,6 +127,9 @@ def parse_entmtp_options(options: dict[str, Any], vllm_keys: list[str]) -> EntMT
     except ValidationError as e:
         msgs = []
         for err in e.errors():
+            if not err["loc"]:  # a cross-field rule (model validator): its message names the keys
+                msgs.append(err["msg"].removeprefix("Value error, "))
+                continue
             key = ".".join(str(p) for p in err["loc"])
             allowed = _describe(key) if key in EntMTPConfig.model_fields else ""
             msgs.append(f"{key}={err.get('input')!r}: {err['msg']}" + (f"; allowed: {allowed}" if allowed else ""))

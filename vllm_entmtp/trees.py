@@ -12,7 +12,9 @@ it always comes first, and any prefix of the node list is a tree again (``Tree.p
 1..num_nodes in this order; number 0 is the root. Everything the verification needs (parent indices, depths
 as position offsets, the ancestor attention mask) is derived here from the paths.
 
-A *tree set* is a JSON file with several named trees for one kind of heads (format: ``docs/trees.md``).
+A *tree set* is a JSON file with several named trees for one kind of heads (format: ``docs/trees.md``), and
+optionally a ``schedule``: a ladder of its trees with thresholds on an entropy or confidence signal, read by
+``vllm_entmtp.scheduler.TreeScheduler``.
 ``load_tree_set("default")`` reads ``<repo>/trees/default.json``; folders listed in the environment variable
 ``VLLM_ENTMTP_TREES`` (``os.pathsep``-separated) are searched first. Every error is a ``TreeSetError`` that
 names the file (or "inline tree"), the tree id and the offending path.
@@ -20,6 +22,7 @@ names the file (or "inline tree"), the tree id and the offending path.
 from __future__ import annotations
 
 import json
+import math
 import operator
 import os
 from collections.abc import Iterable, Sequence
@@ -29,7 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, field_validator
 
 from vllm_entmtp.errors import TreeSetError
 
@@ -270,6 +273,30 @@ class _TreeEntry(BaseModel):
     metadata: _Metadata
 
 
+class _Schedule(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    signal: Literal["entropy", "confidence"]
+    thresholds: list[StrictFloat]
+    tree_ids: list[str] = Field(min_length=1)
+    hysteresis: StrictFloat | None = Field(default=None, ge=0.0)
+
+    @field_validator("thresholds")
+    @classmethod
+    def _finite(cls, v: list[float]) -> list[float]:
+        for i, x in enumerate(v):
+            if not math.isfinite(x):
+                raise ValueError(f"thresholds[{i}] = {x} is not a finite number")
+        return v
+
+    @field_validator("hysteresis")
+    @classmethod
+    def _finite_h(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError(f"hysteresis = {v} is not a finite number")
+        return v
+
+
 class TreeSetFile(BaseModel):
     """Schema of a tree-set JSON file (version 1); unknown keys are refused except inside ``metadata``."""
 
@@ -280,6 +307,28 @@ class TreeSetFile(BaseModel):
     heads: _Heads
     description: str = ""
     trees: list[_TreeEntry] = Field(min_length=1)
+    schedule: _Schedule | None = None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A tree set's optional ``schedule``: a ladder of its trees and the thresholds between them.
+
+    Attributes:
+        signal: ``"entropy"`` (thresholds in nats on the target's entropy EMA, strictly increasing) or
+            ``"confidence"`` (thresholds on the heads' path confidence in [0, 1], strictly decreasing).
+        thresholds: ``len(tree_ids) - 1`` numbers; bin ``i`` (tree ``tree_ids[i]``) holds the signals between
+            ``thresholds[i - 1]`` and ``thresholds[i]`` (``vllm_entmtp.scheduler`` says which side of a
+            threshold is which).
+        tree_ids: ids of trees of the set, from the most aggressive (lowest entropy / highest confidence) to
+            the most conservative; no id twice.
+        hysteresis: margin in the signal's unit, or None (the scheduler's own default).
+    """
+
+    signal: str
+    thresholds: tuple[float, ...]
+    tree_ids: tuple[str, ...]
+    hysteresis: float | None = None
 
 
 @dataclass(frozen=True)
@@ -294,6 +343,7 @@ class TreeSet:
         description: free text.
         trees: ``(id, Tree)`` pairs in file order.
         metadata: per tree id, the file's ``metadata`` object (``num_nodes``, ``depth`` and free-form stats).
+        schedule: the file's validated ``schedule``, or None when it has none.
     """
 
     name: str
@@ -303,6 +353,7 @@ class TreeSet:
     description: str
     trees: list[tuple[str, Tree]]
     metadata: dict[str, dict[str, Any]] = field(default_factory=dict)
+    schedule: Schedule | None = None
 
     @property
     def ids(self) -> list[str]:
@@ -372,7 +423,44 @@ def _where(raw: Any, loc: tuple[Any, ...]) -> str:
             if isinstance(paths, list) and rest[1] < len(paths):
                 s += f" (path {json.dumps(paths[rest[1]])})"
         return s
-    return ".".join(str(x) for x in loc) or "(top level)"
+    return ".".join(str(x) if not isinstance(x, int) else f"[{x}]" for x in loc).replace(".[", "[") or "(top level)"
+
+
+def _check_schedule(f: Path, spec: _Schedule, ids: list[str]) -> Schedule:
+    """Cross-field rules of ``schedule`` (the schema checked the types): sizes, order, known and unique ids."""
+    where = f"tree set {f}: schedule"
+    th, tids = spec.thresholds, spec.tree_ids
+    if len(tids) != len(th) + 1:
+        raise TreeSetError(f"{where}: {len(tids)} tree_ids need {len(tids) - 1} thresholds (one between each pair "
+                           f"of neighbouring trees), got {len(th)}")
+    seen: dict[str, int] = {}
+    for i, tid in enumerate(tids):
+        if tid not in ids:
+            raise TreeSetError(f"{where}.tree_ids[{i}] {tid!r} is not a tree of this set; it has "
+                               f"{', '.join(map(repr, ids))}")
+        if tid in seen:
+            raise TreeSetError(f"{where}.tree_ids[{i}] {tid!r} is already tree_ids[{seen[tid]}] (each tree "
+                               f"appears at most once in the ladder)")
+        seen[tid] = i
+    if spec.signal == "entropy":
+        for i, x in enumerate(th):
+            if x < 0:
+                raise TreeSetError(f"{where}.thresholds[{i}] = {x}: an entropy threshold (nats) must be >= 0")
+        for i in range(1, len(th)):
+            if not th[i] > th[i - 1]:
+                raise TreeSetError(f"{where}.thresholds[{i}] = {th[i]} is not greater than thresholds[{i - 1}] = "
+                                   f"{th[i - 1]} (entropy thresholds must be strictly increasing: tree_ids go "
+                                   f"from the most aggressive, low entropy, to the most conservative)")
+    else:
+        for i, x in enumerate(th):
+            if not 0.0 <= x <= 1.0:
+                raise TreeSetError(f"{where}.thresholds[{i}] = {x}: a confidence threshold must be in [0, 1]")
+        for i in range(1, len(th)):
+            if not th[i] < th[i - 1]:
+                raise TreeSetError(f"{where}.thresholds[{i}] = {th[i]} is not less than thresholds[{i - 1}] = "
+                                   f"{th[i - 1]} (confidence thresholds must be strictly decreasing: tree_ids go "
+                                   f"from the most aggressive, high confidence, to the most conservative)")
+    return Schedule(signal=spec.signal, thresholds=tuple(th), tree_ids=tuple(tids), hysteresis=spec.hysteresis)
 
 
 def load_tree_set(name_or_path: str | os.PathLike[str], num_heads: int | None = None) -> TreeSet:
@@ -391,7 +479,8 @@ def load_tree_set(name_or_path: str | os.PathLike[str], num_heads: int | None = 
             (line and column), schema violations (extra keys, wrong types; located by tree id and path),
             duplicate tree ids, an invalid tree (empty, empty path, negative rank, duplicate node, missing
             parent), a path deeper than the file's ``heads.num_heads`` or than ``num_heads``, or metadata
-            ``num_nodes``/``depth`` that disagree with the paths. Each message starts with the file.
+            ``num_nodes``/``depth`` that disagree with the paths, or a ``schedule`` whose sizes, threshold order
+            or tree ids are wrong. Each message starts with the file.
     """
     f = _resolve(name_or_path)
     try:
@@ -436,5 +525,6 @@ def load_tree_set(name_or_path: str | os.PathLike[str], num_heads: int | None = 
                                f"give num_nodes={tree.num_nodes}, depth={tree.depth}")
         trees.append((entry.id, tree))
         metadata[entry.id] = md.model_dump()
+    schedule = _check_schedule(f, spec.schedule, [i for i, _ in trees]) if spec.schedule is not None else None
     return TreeSet(name=spec.name, source=f, heads_kind=spec.heads.kind, num_heads=spec.heads.num_heads,
-                   description=spec.description, trees=trees, metadata=metadata)
+                   description=spec.description, trees=trees, metadata=metadata, schedule=schedule)

@@ -1,0 +1,72 @@
+"""EntMTPConfig's scheduler options, validated with pydantic only (no vLLM import)."""
+import re
+
+import pytest
+
+from vllm_entmtp.config import EntMTPConfig, EntMTPConfigError, entmtp_keys, parse_entmtp_options
+
+VLLM_KEYS = ["method", "model", "num_speculative_tokens"]
+
+
+def parse(**options):
+    return parse_entmtp_options(options, VLLM_KEYS)
+
+
+def test_defaults_keep_todays_behaviour():
+    c = parse()
+    assert (c.policy, c.entropy_window, c.acceptance_window, c.hysteresis, c.warmup_steps,
+            c.max_verify_tokens_per_step) == ("static", 16, 8, 0.05, 2, None)
+    assert c.tree_set is None and c.draft_confidence_threshold == 0.0
+    for k in ("policy", "entropy_window", "acceptance_window", "hysteresis", "warmup_steps",
+              "max_verify_tokens_per_step"):
+        assert k in entmtp_keys() and EntMTPConfig.model_fields[k].description, k
+
+
+def test_scheduler_options_are_accepted():
+    c = parse(policy="entropy", tree_set="default", entropy_window=4, acceptance_window=1, hysteresis=0,
+              warmup_steps=0, max_verify_tokens_per_step=128)
+    assert (c.policy, c.entropy_window, c.acceptance_window, c.hysteresis, c.warmup_steps,
+            c.max_verify_tokens_per_step) == ("entropy", 4, 1, 0.0, 0, 128)
+    assert parse(policy="confidence", tree_set="x.json", tree_id="mc6").tree_id == "mc6"
+    assert parse(policy="static", tree=[[0]]).policy == "static"  # static needs no tree_set
+    assert "hysteresis" not in parse(policy="entropy", tree_set="d").model_fields_set  # "not given" is visible
+
+
+@pytest.mark.parametrize("policy", ["entropy", "confidence"])
+def test_non_static_policy_needs_tree_set(policy):
+    with pytest.raises(EntMTPConfigError, match=re.escape(f"policy={policy!r} chooses among the trees of a tree set: "
+                                                          f"give 'tree_set' too")):
+        parse(policy=policy)
+    with pytest.raises(EntMTPConfigError, match="'tree_set'"):
+        parse(policy=policy, tree=[[0], [1]])
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(policy="greedy"), r"policy='greedy': Input should be 'static', 'entropy' or 'confidence'; allowed: policy "
+                            r"\('static' \| 'entropy' \| 'confidence'; default 'static'\)"),
+    (dict(entropy_window=0), r"entropy_window=0: Input should be greater than or equal to 1; allowed: entropy_window "
+                             r"\(int, >= 1; default 16\)"),
+    (dict(entropy_window=True), r"entropy_window=True: Input should be a valid integer"),
+    (dict(acceptance_window=2.5), r"acceptance_window=2.5: Input should be a valid integer"),
+    (dict(hysteresis=-0.1), r"hysteresis=-0.1: Input should be greater than or equal to 0"),
+    (dict(hysteresis=float("inf")), r"hysteresis=inf: Input should be a finite number"),
+    (dict(warmup_steps=-1), r"warmup_steps=-1: Input should be greater than or equal to 0"),
+    (dict(max_verify_tokens_per_step=0), r"max_verify_tokens_per_step=0: Input should be greater than or equal to "
+                                         r"1; allowed: max_verify_tokens_per_step \(int \| None, >= 1; default None\)"),
+])
+def test_bad_values_are_named_with_the_allowed_range(options, message):
+    with pytest.raises(EntMTPConfigError, match=r"invalid --speculative-config for method 'entmtp': " + message):
+        parse(**options)
+
+
+def test_unknown_key_lists_the_new_keys_too():
+    with pytest.raises(EntMTPConfigError, match=r"unknown key\(s\) \['polcy'\].*policy \('static' \| 'entropy' \| "
+                                                r"'confidence'; default 'static'\).*max_verify_tokens_per_step.*"
+                                                r"vLLM's own keys: method, model, num_speculative_tokens"):
+        parse(polcy="entropy")
+
+
+def test_several_errors_are_reported_together():
+    with pytest.raises(EntMTPConfigError) as e:
+        parse(entropy_window=0, warmup_steps=-1)
+    assert "entropy_window=0" in str(e.value) and "warmup_steps=-1" in str(e.value)

@@ -1,0 +1,219 @@
+"""TreeScheduler: threshold ladder, hysteresis, warm-up, node budget, confidence direction (no vLLM)."""
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_entmtp.config import EntMTPConfig
+from vllm_entmtp.entropy import EntropyTracker, Signals
+from vllm_entmtp.scheduler import (DEFAULT_MAX_VERIFY_TOKENS, SchedulerError, TreeScheduler, fallback_thresholds,
+                                   node_budget)
+from vllm_entmtp.trees import Schedule, Tree, TreeSet, load_tree_set
+
+# big (8 nodes) > mid (4) > small (2) > one (1)
+TREES = {"one": Tree.chain(1), "small": Tree.chain(2), "mid": Tree([[0], [1], [0, 0], [0, 0, 0]]),
+         "big": Tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]])}
+
+
+def _set(schedule=None, order=("small", "big", "one", "mid")):
+    return TreeSet(name="t", source=Path("t.json"), heads_kind="medusa", num_heads=4, description="",
+                   trees=[(i, TREES[i]) for i in order], metadata={}, schedule=schedule)
+
+
+ENT = Schedule(signal="entropy", thresholds=(0.5, 1.0, 2.0), tree_ids=("big", "mid", "small", "one"))
+CONF = Schedule(signal="confidence", thresholds=(0.6, 0.3), tree_ids=("big", "small", "one"))
+
+
+def ent(x, updates=10):
+    return Signals(entropy_ema=x, entropy_last=x, updates=updates)
+
+
+def conf(x, updates=10):
+    return Signals(confidence=x, confidence_last=x, updates=updates)
+
+
+def ids(choice):
+    return [i for i, _ in choice]
+
+
+# -- threshold mapping --------------------------------------------------------------------------------------------
+
+
+def test_entropy_thresholds_map_low_entropy_to_big_trees():
+    s = TreeScheduler(_set(ENT), "entropy", hysteresis=0.0, warmup_steps=0)
+    assert s.ladder_source == "schedule" and s.ladder_ids == ["big", "mid", "small", "one"]
+    values = [0.0, 0.49, 0.5, 0.99, 1.5, 2.0, 7.0]  # a value on a threshold goes to the conservative side
+    out = s.choose([f"r{i}" for i in range(len(values))], [ent(v) for v in values])
+    assert ids(out) == ["big", "big", "mid", "mid", "small", "one", "one"]
+    assert out[0][1] is TREES["big"] and [s.bin_of(v) for v in values] == [0, 0, 1, 1, 2, 3, 3]
+
+
+def test_confidence_policy_direction():
+    s = TreeScheduler(_set(CONF), "confidence", hysteresis=0.0, warmup_steps=0)
+    out = s.choose(["a", "b", "c", "d", "e"], [conf(0.9), conf(0.6), conf(0.45), conf(0.3), conf(0.01)])
+    assert ids(out) == ["big", "small", "small", "one", "one"]  # high confidence -> big tree
+    # the confidence policy reads Signals.confidence, not the entropy
+    assert ids(s.choose(["f"], [Signals(entropy_ema=0.0, confidence=0.1, updates=9)])) == ["one"]
+
+
+def test_fallback_ladder_by_size_with_even_thresholds():
+    s = TreeScheduler(_set(), "entropy", warmup_steps=0, entropy_range=(0.0, 2.0))
+    assert s.ladder_source == "fallback" and s.ladder_ids == ["big", "mid", "small", "one"]
+    assert s.thresholds == pytest.approx([0.5, 1.0, 1.5])
+    c = TreeScheduler(_set(), "confidence", warmup_steps=0)
+    assert c.thresholds == pytest.approx([0.75, 0.5, 0.25])
+    assert fallback_thresholds(1) == [] and fallback_thresholds(3) == pytest.approx([0.4, 0.8])
+    shipped = TreeScheduler(load_tree_set("default"), "entropy")
+    assert shipped.ladder_ids == ["mc24", "mc12", "mc6", "chain2", "chain1"] and shipped.default_tree_id == "mc24"
+
+
+def test_equal_sizes_keep_file_order_in_the_fallback_ladder():
+    ts = TreeSet(name="t", source=Path("t.json"), heads_kind="medusa", num_heads=4, description="",
+                 trees=[("x", Tree([[0], [1]])), ("y", Tree.chain(2)), ("z", Tree.chain(3))])
+    assert TreeScheduler(ts, "entropy").ladder_ids == ["z", "x", "y"]
+
+
+# -- hysteresis ---------------------------------------------------------------------------------------------------
+
+
+def test_hysteresis_holds_small_oscillations_and_follows_big_changes():
+    s = TreeScheduler(_set(ENT), "entropy", hysteresis=0.1, warmup_steps=0)
+    assert ids(s.choose(["r"], [ent(0.4)])) == ["big"]
+    for v in (0.55, 0.45, 0.58, 0.42, 0.59):  # around the 0.5 threshold, less than 0.1 past it
+        assert ids(s.choose(["r"], [ent(v)])) == ["big"], v
+    assert s.stats.held_by_hysteresis == 3  # 0.55, 0.58, 0.59: the plain mapping says "mid"
+    assert ids(s.choose(["r"], [ent(0.61)])) == ["mid"]  # crossed by more than the margin
+    for v in (0.45, 0.41, 0.55):
+        assert ids(s.choose(["r"], [ent(v)])) == ["mid"], v
+    assert ids(s.choose(["r"], [ent(0.39)])) == ["big"]
+    assert ids(s.choose(["r"], [ent(5.0)])) == ["one"]  # a big change jumps several bins at once
+    assert s.stats.switches == 3 and s.current_bin("r") == 3
+
+
+def test_hysteresis_is_per_request_and_free_resets_it():
+    s = TreeScheduler(_set(ENT), "entropy", hysteresis=0.1, warmup_steps=0)
+    s.choose(["a", "b"], [ent(0.3), ent(0.7)])
+    assert ids(s.choose(["a", "b"], [ent(0.55), ent(0.55)])) == ["big", "mid"]  # same signal, own history
+    s.free("a")
+    assert s.current_bin("a") is None and ids(s.choose(["a"], [ent(0.55)])) == ["mid"]
+    assert s.free_missing(["a"]) == 1 and len(s) == 1
+    s.free("nope")
+
+
+def test_schedule_hysteresis_is_used_unless_given():
+    sched = Schedule(signal="entropy", thresholds=(0.5,), tree_ids=("big", "one"), hysteresis=0.3)
+    assert TreeScheduler(_set(sched), "entropy").hysteresis == 0.3
+    assert TreeScheduler(_set(sched), "entropy", hysteresis=0.0).hysteresis == 0.0
+    assert TreeScheduler(_set(), "entropy").hysteresis == 0.05
+    ts = _set(sched)
+    assert TreeScheduler.from_config(EntMTPConfig(policy="entropy", tree_set="x"), ts).hysteresis == 0.3
+    assert TreeScheduler.from_config(EntMTPConfig(policy="entropy", tree_set="x", hysteresis=0.05),
+                                     ts).hysteresis == 0.05
+
+
+# -- warm-up ------------------------------------------------------------------------------------------------------
+
+
+def test_warmup_uses_the_default_tree():
+    s = TreeScheduler(_set(ENT), "entropy", hysteresis=0.0, warmup_steps=2, default_tree_id="mid")
+    tr = EntropyTracker(entropy_window=1)
+    seen = []
+    for _ in range(4):
+        tr.update("r", 3.0)  # high entropy: "one" once trusted
+        seen += ids(s.choose(["r"], [tr.signals("r")]))
+    assert seen == ["mid", "one", "one", "one"]  # updates 1 < 2: warm-up; 2 updates: scheduled
+    assert ids(s.choose(["new"], [tr.signals("new")])) == ["mid"]  # never updated
+    assert ids(s.choose(["x"], [Signals(confidence=0.9, updates=5)])) == ["mid"]  # no entropy yet
+    assert s.stats.warmup == 3
+
+
+def test_default_tree_defaults_to_the_most_aggressive_and_must_be_in_the_ladder():
+    assert TreeScheduler(_set(CONF), "confidence").default_tree_id == "big"
+    with pytest.raises(SchedulerError, match=r"default tree 'mid' \(tree_id\) is not in the ladder.*'big', "
+                                             r"'small', 'one'"):
+        TreeScheduler(_set(CONF), "confidence", default_tree_id="mid")
+
+
+# -- load budget --------------------------------------------------------------------------------------------------
+
+
+def test_node_budget_rule():
+    assert DEFAULT_MAX_VERIFY_TOKENS == 64
+    assert node_budget(4) == 60 and node_budget(64) == 0 and node_budget(100) == 0 and node_budget(0) == 64
+    assert node_budget(4, 16) == 12
+    assert TreeScheduler(_set(), "entropy", max_verify_tokens_per_step=32).node_budget(8) == 24
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValueError):
+            node_budget(1, bad)
+    with pytest.raises(ValueError):
+        node_budget(-1)
+
+
+def test_budget_steps_down_largest_first_down_to_none():
+    s = TreeScheduler(_set(ENT), "entropy", hysteresis=0.0, warmup_steps=0)
+    rids, sig = ["a", "b", "c"], [ent(0.1), ent(0.7), ent(1.5)]  # big (8), mid (4), small (2) = 14 nodes
+    assert ids(s.choose(rids, sig, budget_nodes=14)) == ["big", "mid", "small"]
+    assert ids(s.choose(rids, sig, budget_nodes=10)) == ["mid", "mid", "small"]  # 8 -> 4
+    assert ids(s.choose(rids, sig, budget_nodes=7)) == ["small", "small", "small"]  # 4 -> 2 twice (later first)
+    assert ids(s.choose(rids, sig, budget_nodes=3)) == ["one", "one", "one"]
+    assert ids(s.choose(rids, sig, budget_nodes=2)) == ["one", "one", None]
+    assert s.choose(rids, sig, budget_nodes=0) == [(None, None)] * 3
+    # the budget never changes the bin a request's signal holds
+    assert [s.current_bin(r) for r in rids] == [0, 1, 2]
+    assert s.stats.no_draft == 4
+    with pytest.raises(ValueError, match="budget_nodes"):
+        s.choose(rids, sig, budget_nodes=-1)
+
+
+def test_budget_ties_are_deterministic_later_requests_step_down_first():
+    s = TreeScheduler(_set(ENT), "entropy", hysteresis=0.0, warmup_steps=0)
+    rids = [f"r{i}" for i in range(4)]
+    out = s.choose(rids, [ent(0.1)] * 4, budget_nodes=28)  # 4 x 8 = 32 > 28: one steps 8 -> 4
+    assert ids(out) == ["big", "big", "big", "mid"]
+    out2 = s.choose(rids, [ent(0.1)] * 4, budget_nodes=20)  # 32 -> 20: r3, r2, r1 step 8 -> 4
+    assert ids(out2) == ["big", "mid", "mid", "mid"]
+    assert ids(s.choose(rids, [ent(0.1)] * 4, budget_nodes=20)) == ids(out2)  # same input, same answer
+
+
+def test_static_policy_gives_everyone_the_same_tree():
+    s = TreeScheduler(_set(ENT), "static")
+    assert s.default_tree_id == "big" and s.ladder_source == "fallback"
+    out = s.choose(["a", "b"], [ent(0.0), ent(9.0)])
+    assert ids(out) == ["big", "big"] and s.stats.warmup == 0
+    assert ids(TreeScheduler(_set(), "static", default_tree_id="small").choose(["a"], [ent(9.0)])) == ["small"]
+    assert ids(s.choose(["a", "b"], [ent(0.0)] * 2, budget_nodes=12)) == ["big", "mid"]
+
+
+# -- construction errors ------------------------------------------------------------------------------------------
+
+
+def test_policy_and_schedule_signal_must_agree():
+    with pytest.raises(SchedulerError, match=r"policy='confidence', but tree set t.json's schedule has signal "
+                                             r"'entropy'"):
+        TreeScheduler(_set(ENT), "confidence")
+    with pytest.raises(SchedulerError, match=r"method 'entmtp' \(policy, tree_set, tree_id\): policy='entropy'"):
+        TreeScheduler.from_config(EntMTPConfig(policy="entropy", tree_set="x"), _set(CONF))
+    with pytest.raises(SchedulerError, match="unknown policy 'greedy'"):
+        TreeScheduler(_set(), "greedy")
+    for kw in (dict(hysteresis=-0.1), dict(hysteresis=float("nan")), dict(warmup_steps=-1),
+               dict(max_verify_tokens_per_step=0)):
+        with pytest.raises(ValueError):
+            TreeScheduler(_set(), "entropy", **kw)
+
+
+def test_from_config_end_to_end_with_a_schedule_file(tmp_path):
+    def entry(tid):
+        t = TREES[tid]
+        return {"id": tid, "paths": t.to_list(), "metadata": {"num_nodes": t.num_nodes, "depth": t.depth}}
+
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"schema_version": 1, "name": "s", "heads": {"kind": "medusa", "num_heads": 4},
+                             "trees": [entry("one"), entry("mid"), entry("big")],
+                             "schedule": {"signal": "entropy", "thresholds": [0.3, 0.9],
+                                          "tree_ids": ["big", "mid", "one"]}}))
+    opts = EntMTPConfig(policy="entropy", tree_set=str(f), warmup_steps=1, max_verify_tokens_per_step=10)
+    s = TreeScheduler.from_config(opts, load_tree_set(opts.tree_set, num_heads=4))
+    tr = EntropyTracker.from_config(opts)
+    tr.update_batch(["a", "b"], [0.1, 0.5])
+    out = s.choose(["a", "b"], tr.signals_batch(["a", "b"]), s.node_budget(2))  # 8 nodes budget
+    assert ids(out) == ["mid", "mid"] and s.warmup_steps == 1 and s.hysteresis == 0.05

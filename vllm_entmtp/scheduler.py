@@ -1,0 +1,320 @@
+"""Choosing each request's draft tree per step from a tree set (engine-independent; no vLLM import).
+
+A :class:`TreeScheduler` holds a *ladder*: trees of a tree set ordered from the most aggressive (bin 0, drafted
+when the entropy is low / the heads are confident) to the most conservative (bin ``K - 1``), and ``K - 1``
+thresholds between neighbouring bins. Per step it maps each request's :class:`~vllm_entmtp.entropy.Signals`
+to a bin, with hysteresis and a warm-up, then fits the batch into a node budget by stepping requests down the
+ladder, past its end to no drafting. This is EntMTP's ``threshold_ladder`` (``TopologyBank`` +
+``EagleTreeSelector`` in ``entmtp/model/runtime_scheduler.py``, github.com/xikronz/entmtp) with per-request
+state and the hysteresis of its ``binary_tau`` mode; SGLang's adaptive speculative decoding does the same for
+the whole batch (EMA, warm-up, hysteresis; ``docs/advanced_features/adaptive_speculative_decoding.md``).
+
+Ladder and thresholds:
+
+- The tree set's ``schedule`` (``docs/trees.md``) when it has one; its ``signal`` must be the policy's.
+- Otherwise the *fallback ladder*: every tree of the set, largest node count first (equal sizes keep file
+  order), with thresholds evenly spaced: for ``K`` trees, ``lo + (hi - lo) * i / K`` for ``i = 1..K-1`` over
+  the entropy range ``(lo, hi)`` (default ``(0.0, 1.2)`` nats: EntMTP's logged mean block-start entropies are
+  0.34 to 0.83 nats, so both ends of that spread land in different bins), and ``1 - i / K`` for confidence
+  (EntMTP's default ladder thresholds, equally spaced in (0, 1)). Guesses, not tuned for any heads.
+
+Which side of a threshold: the *score* is the entropy EMA (``"entropy"``) or minus the path confidence
+(``"confidence"``), and thresholds are taken in the same orientation (increasing). The bin of a score is the
+number of thresholds ``<=`` it: a score exactly on a threshold goes to the more conservative bin.
+
+Hysteresis ``h``: a request in bin ``b`` moves to a more conservative bin only when ``bin(score - h) > b`` and
+to a more aggressive one only when ``bin(score + h) < b``, i.e. when its score is past the threshold by the
+margin ``h`` (or more); it then moves to that bin (several bins at once on a big change). ``h = 0`` is the
+plain mapping.
+The bin a request holds is its signal's choice; the load budget never changes it.
+
+Warm-up: while a request has fewer than ``warmup_steps`` signal updates, or its signal is still None, it
+drafts the default tree (``default_tree_id``, else the ladder's bin 0); its first decision after warm-up is
+the plain mapping (no hysteresis, as it holds no bin yet).
+
+Load: :func:`node_budget` gives the draft nodes a step may verify: ``max_verify_tokens_per_step`` (default
+:data:`DEFAULT_MAX_VERIFY_TOKENS` = 64, a guess at where verification on this CPU stops being memory-bound, not
+yet measured) minus one root row per request. :meth:`TreeScheduler.choose` then, while the chosen trees'
+nodes exceed the budget, steps the request with the largest tree one bin down (a tie goes to the request
+later in the batch), the last bin stepping down to no drafting (``None``).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from vllm_entmtp.entropy import Signals
+from vllm_entmtp.errors import EntMTPError
+from vllm_entmtp.trees import Tree, TreeSet
+
+POLICIES = ("static", "entropy", "confidence")
+DEFAULT_MAX_VERIFY_TOKENS = 64
+"""Default cap on the tokens verified per step (draft nodes + one root per request), see :func:`node_budget`."""
+DEFAULT_HYSTERESIS = 0.05
+DEFAULT_ENTROPY_RANGE = (0.0, 1.2)
+"""Entropy range (nats) over which the fallback ladder spaces its thresholds."""
+
+
+class SchedulerError(EntMTPError):
+    """A scheduler that cannot be built from these options and this tree set (the message names both)."""
+
+
+def node_budget(batch_size: int, max_verify_tokens_per_step: int | None = None) -> int:
+    """Draft nodes a step may carry in all: ``max(0, max_verify_tokens_per_step - batch_size)``.
+
+    Every request verifies its root row anyway (the plain decode token), so of ``max_verify_tokens_per_step``
+    verified rows (None: :data:`DEFAULT_MAX_VERIFY_TOKENS`) ``batch_size`` are taken and the rest can be
+    draft nodes. With 64: 60 nodes for 4 requests, none from 64 requests on (the step is then compute-bound
+    and drafting would not pay).
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+        raise ValueError(f"batch_size must be an int >= 0, got {batch_size!r}")
+    cap = DEFAULT_MAX_VERIFY_TOKENS if max_verify_tokens_per_step is None else max_verify_tokens_per_step
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"max_verify_tokens_per_step must be an int >= 1 or None, got {cap!r}")
+    return max(0, cap - batch_size)
+
+
+@dataclass
+class SchedulerStats:
+    """Counters of :meth:`TreeScheduler.choose` (plain ints; ``as_dict`` for reporting)."""
+
+    decisions: int = 0          # request-steps decided
+    warmup: int = 0             # of which in warm-up (or without a signal yet): default tree
+    switches: int = 0           # a request's signal moved it to another bin
+    held_by_hysteresis: int = 0  # the plain mapping said another bin, the margin kept the request where it was
+    budget_stepdowns: int = 0   # single-bin steps down to fit the node budget
+    no_draft: int = 0           # request-steps left without a tree by the budget
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class TreeScheduler:
+    """Per-request tree choice from a tree set: thresholds on a signal, hysteresis, warm-up, node budget.
+
+    Args:
+        tree_set: the loaded :class:`~vllm_entmtp.trees.TreeSet`.
+        policy: ``"entropy"`` (thresholds on ``Signals.entropy_ema``), ``"confidence"`` (on
+            ``Signals.confidence``), or ``"static"`` (the default tree for everyone; only the budget applies).
+        hysteresis: margin in the signal's unit; None: the schedule's ``hysteresis``, else 0.05.
+        warmup_steps: a request's first updates that draft the default tree.
+        default_tree_id: the warm-up tree (it must be in the ladder); None: bin 0 of the ladder, or for
+            ``"static"`` the set's largest tree (the static policy's tree).
+        max_verify_tokens_per_step: for :meth:`node_budget` (None: 64).
+        entropy_range: the fallback ladder's entropy range in nats (unused with a schedule).
+
+    Raises:
+        SchedulerError: unknown policy, a schedule for the other signal, a default tree outside the ladder,
+            a bad number.
+    """
+
+    def __init__(self, tree_set: TreeSet, policy: str = "entropy", *, hysteresis: float | None = None,
+                 warmup_steps: int = 2, default_tree_id: str | None = None,
+                 max_verify_tokens_per_step: int | None = None,
+                 entropy_range: tuple[float, float] = DEFAULT_ENTROPY_RANGE):
+        if policy not in POLICIES:
+            raise SchedulerError(f"unknown policy {policy!r}; allowed: {', '.join(POLICIES)}")
+        self.tree_set = tree_set
+        self.policy = policy
+        sched = tree_set.schedule
+        if policy == "static":
+            sched = None  # one tree for everyone; the size ladder is only for the budget
+        elif sched is not None and sched.signal != policy:
+            raise SchedulerError(
+                f"policy={policy!r}, but tree set {tree_set.source}'s schedule has signal {sched.signal!r} "
+                f"(its thresholds are in that signal's unit): use policy {sched.signal!r} or a tree set whose "
+                f"schedule is for {policy!r}")
+        if sched is not None:
+            ids = list(sched.tree_ids)
+            thresholds = list(sched.thresholds)
+            self.ladder_source = "schedule"
+        else:
+            ids = [i for i, _ in sorted(tree_set.trees, key=lambda it: -it[1].num_nodes)]  # stable: file order
+            thresholds = fallback_thresholds(len(ids), "confidence" if policy == "confidence" else "entropy",
+                                             entropy_range)
+            self.ladder_source = "fallback"
+        self.ladder_ids: list[str] = ids
+        self.ladder: list[Tree] = [tree_set.get(i) for i in ids]
+        self.thresholds: list[float] = thresholds
+        # scores and thresholds in increasing orientation (confidence is negated)
+        self._sign = -1.0 if policy == "confidence" else 1.0
+        self._edges = [self._sign * t for t in thresholds]
+        self._nodes = [t.num_nodes for t in self.ladder]
+
+        if hysteresis is None:
+            hysteresis = sched.hysteresis if sched is not None and sched.hysteresis is not None \
+                else DEFAULT_HYSTERESIS
+        if not (isinstance(hysteresis, (int, float)) and not isinstance(hysteresis, bool)
+                and math.isfinite(hysteresis) and hysteresis >= 0):
+            raise SchedulerError(f"hysteresis must be a finite number >= 0, got {hysteresis!r}")
+        self.hysteresis = float(hysteresis)
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise SchedulerError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        self.warmup_steps = warmup_steps
+        if max_verify_tokens_per_step is not None:
+            node_budget(0, max_verify_tokens_per_step)  # validates
+        self.max_verify_tokens_per_step = max_verify_tokens_per_step
+
+        if default_tree_id is None:
+            default_tree_id = ids[0]  # static: the largest tree, as resolve_static_tree picks it
+        if default_tree_id not in ids:
+            where = "schedule.tree_ids" if sched is not None else "trees"
+            raise SchedulerError(
+                f"default tree {default_tree_id!r} (tree_id) is not in the ladder of tree set {tree_set.source} "
+                f"({where}: {', '.join(map(repr, ids))})")
+        self.default_tree_id = default_tree_id
+        self._default_bin = ids.index(default_tree_id)
+
+        self._bins: dict[str, int] = {}
+        self.stats = SchedulerStats()
+
+    @classmethod
+    def from_config(cls, options: Any, tree_set: TreeSet) -> TreeScheduler:
+        """From an :class:`~vllm_entmtp.config.EntMTPConfig` and its loaded ``tree_set``.
+
+        ``hysteresis`` is the option when the user gave it, else the schedule's, else 0.05; ``tree_id`` is the
+        warm-up tree.
+        """
+        given = getattr(options, "model_fields_set", set())
+        try:
+            return cls(tree_set, options.policy,
+                       hysteresis=options.hysteresis if "hysteresis" in given else None,
+                       warmup_steps=options.warmup_steps, default_tree_id=options.tree_id,
+                       max_verify_tokens_per_step=options.max_verify_tokens_per_step)
+        except SchedulerError as e:
+            raise SchedulerError(f"method 'entmtp' (policy, tree_set, tree_id): {e}") from None
+
+    # -- per step -------------------------------------------------------------------------------------------------
+
+    def node_budget(self, batch_size: int) -> int:
+        """:func:`node_budget` with this scheduler's ``max_verify_tokens_per_step``."""
+        return node_budget(batch_size, self.max_verify_tokens_per_step)
+
+    def signal_value(self, signals: Signals) -> float | None:
+        """The policy's signal: the entropy EMA, or the path confidence (None for ``"static"``)."""
+        if self.policy == "entropy":
+            return signals.entropy_ema
+        if self.policy == "confidence":
+            return signals.confidence
+        return None
+
+    def bin_of(self, value: float) -> int:
+        """Plain mapping (no hysteresis) of a signal value to a ladder bin (0 = most aggressive)."""
+        s = self._sign * value
+        return sum(1 for e in self._edges if s >= e)
+
+    def _decide(self, req_id: str, signals: Signals) -> int:
+        st = self.stats
+        st.decisions += 1
+        value = self.signal_value(signals)
+        if self.policy == "static" or value is None or signals.updates < self.warmup_steps \
+                or not math.isfinite(value):
+            if self.policy != "static":
+                st.warmup += 1
+            return self._default_bin
+        cur = self._bins.get(req_id)
+        s = self._sign * value
+        if cur is None:
+            new = sum(1 for e in self._edges if s >= e)
+        else:
+            h = self.hysteresis
+            up = sum(1 for e in self._edges if s - h >= e)     # more conservative if > cur
+            down = sum(1 for e in self._edges if s + h >= e)   # more aggressive if < cur
+            new = up if up > cur else down if down < cur else cur
+            if new != cur:
+                st.switches += 1
+            elif sum(1 for e in self._edges if s >= e) != cur:
+                st.held_by_hysteresis += 1
+        self._bins[req_id] = new
+        return new
+
+    def choose(self, req_ids: Sequence[str], signals: Sequence[Signals],
+               budget_nodes: int | None = None) -> list[tuple[str | None, Tree | None]]:
+        """Each request's ``(tree id, tree)`` for this step, or ``(None, None)``: no drafting.
+
+        Args:
+            req_ids: the batch's request ids.
+            signals: one :class:`~vllm_entmtp.entropy.Signals` per request (``EntropyTracker.signals``).
+            budget_nodes: the most draft nodes the batch may carry in all (e.g. :meth:`node_budget`); None:
+                no limit. When the chosen trees exceed it, the request with the largest tree steps down one bin
+                (ties: the later one in ``req_ids``), repeatedly, the last bin stepping to no drafting.
+        """
+        if len(signals) != len(req_ids):
+            raise ValueError(f"choose: {len(signals)} signals for {len(req_ids)} request ids")
+        if budget_nodes is not None and (isinstance(budget_nodes, bool) or not isinstance(budget_nodes, int)
+                                         or budget_nodes < 0):
+            raise ValueError(f"budget_nodes must be an int >= 0 or None, got {budget_nodes!r}")
+        bins = [self._decide(r, s) for r, s in zip(req_ids, signals)]
+        if budget_nodes is not None:
+            self._fit(bins, budget_nodes)
+        k = len(self.ladder)
+        return [(self.ladder_ids[b], self.ladder[b]) if b < k else (None, None) for b in bins]
+
+    def _fit(self, bins: list[int], budget: int) -> None:
+        """Step bins down in place until the nodes fit ``budget`` (bin ``K`` = no drafting, 0 nodes)."""
+        nodes, k = self._nodes, len(self.ladder)
+        total = sum(nodes[b] for b in bins)
+        if total <= budget:
+            return
+        # max-heap on (nodes, index): the largest tree first, the later request on a tie
+        heap = [(-nodes[b], -i) for i, b in enumerate(bins)]
+        heapq.heapify(heap)
+        while total > budget and heap:
+            neg_n, neg_i = heapq.heappop(heap)
+            i = -neg_i
+            b = bins[i] + 1
+            bins[i] = b
+            self.stats.budget_stepdowns += 1
+            if b < k:
+                total += nodes[b] + neg_n
+                heapq.heappush(heap, (-nodes[b], neg_i))
+            else:
+                total += neg_n
+                self.stats.no_draft += 1
+
+    # -- lifetime -------------------------------------------------------------------------------------------------
+
+    def current_bin(self, req_id: str) -> int | None:
+        """The bin the request's signal holds (None: never decided past warm-up)."""
+        return self._bins.get(req_id)
+
+    def free(self, req_id: str) -> None:
+        """Drop the request's bin (no error when it has none)."""
+        self._bins.pop(req_id, None)
+
+    def free_missing(self, active_ids: Iterable[str]) -> int:
+        """Drop the bins of requests not in ``active_ids``; return how many were dropped."""
+        active = active_ids if isinstance(active_ids, (set, frozenset, dict)) else set(active_ids)
+        gone = [r for r in self._bins if r not in active]
+        for r in gone:
+            del self._bins[r]
+        return len(gone)
+
+    def __len__(self) -> int:
+        return len(self._bins)
+
+    def __repr__(self) -> str:
+        return (f"TreeScheduler(policy={self.policy!r}, ladder={self.ladder_ids}, thresholds={self.thresholds}, "
+                f"hysteresis={self.hysteresis}, warmup_steps={self.warmup_steps}, "
+                f"default={self.default_tree_id!r}, source={self.ladder_source})")
+
+
+def fallback_thresholds(num_trees: int, signal: str = "entropy",
+                        entropy_range: tuple[float, float] = DEFAULT_ENTROPY_RANGE) -> list[float]:
+    """``num_trees - 1`` evenly spaced thresholds: increasing over ``entropy_range`` (nats) for ``"entropy"``,
+    decreasing in (0, 1) for ``"confidence"`` (``1 - i / K``)."""
+    if isinstance(num_trees, bool) or not isinstance(num_trees, int) or num_trees < 1:
+        raise ValueError(f"num_trees must be an int >= 1, got {num_trees!r}")
+    k = num_trees
+    if signal == "confidence":
+        return [1.0 - i / k for i in range(1, k)]
+    if signal != "entropy":
+        raise ValueError(f"signal must be 'entropy' or 'confidence', got {signal!r}")
+    lo, hi = entropy_range
+    if not (math.isfinite(lo) and math.isfinite(hi) and 0 <= lo < hi):
+        raise SchedulerError(f"entropy_range must be (lo, hi) with 0 <= lo < hi, got {entropy_range!r}")
+    return [lo + (hi - lo) * i / k for i in range(1, k)]

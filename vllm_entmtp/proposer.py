@@ -62,13 +62,19 @@ class MTPDrafter:
         b = hidden.shape[0]
         if b != len(trees):
             raise ValueError(f"hidden has {b} rows but {len(trees)} trees were given")
-        k_heads, k_top = needed_heads(trees), needed_topk(trees)
+        k_heads = needed_heads(trees)
         if k_heads == 0:
             return [[] for _ in range(b)]
         if k_heads > self.heads.num_heads:
             raise ValueError(f"a tree of depth {k_heads} needs {k_heads} heads; there are {self.heads.num_heads}")
-        logits = self.head_logits(hidden, k_heads)  # [k, B, V]
+        return self.draft(self.head_logits(hidden, k_heads), trees)
+
+    @torch.inference_mode()
+    def draft(self, logits: torch.Tensor, trees: Sequence[Tree | None]) -> list[list[int]]:
+        """Draft tokens from precomputed head logits ``[k, B, vocab]`` (``k`` >= the trees' depth)."""
         trees = list(trees)
+        if needed_heads(trees) == 0:
+            return [[] for _ in trees]
         if self.confidence_threshold > 0.0:
             top_p = torch.softmax(logits.float(), dim=-1).amax(dim=-1)  # [k, B]
             keep = (torch.cumprod(top_p, dim=0) >= self.confidence_threshold).int()
@@ -77,8 +83,16 @@ class MTPDrafter:
                 if t is not None and t.num_nodes == t.depth:  # a chain
                     n = min(t.num_nodes, confident[i])
                     trees[i] = t.prefix(n) if n > 0 else None
+        k_top = needed_topk(trees)
+        if k_top == 0:
+            return [[] for _ in trees]
         topk_ids = logits.topk(k_top, dim=-1).indices if k_top > 1 else logits.argmax(-1, keepdim=True)
         return build_tree_drafts(topk_ids, trees)
+
+    @staticmethod
+    def head_top1_probs(logits: torch.Tensor) -> torch.Tensor:
+        """``[k, B, vocab]`` head logits -> ``[B, k]`` float32: each head's top-1 probability."""
+        return torch.softmax(logits.float(), dim=-1).amax(dim=-1).t()
 
     def propose_chains(self, hidden: torch.Tensor, budgets: Sequence[int]) -> list[list[int]]:
         """Chains of the heads' top-1 tokens, at most ``budgets[i]`` (capped at the number of heads) each."""

@@ -16,6 +16,12 @@ class TreeStats:
     non_first_branch_paths: int = 0  # accepted paths that leave the top-1 chain somewhere
     kv_slots_moved: int = 0        # accepted nodes whose K/V was moved to a consecutive slot
     per_tree: dict = field(default_factory=dict)  # tree id -> [steps, nodes, accepted]
+    chosen: dict = field(default_factory=dict)  # tree id ("none": no drafting) -> request-steps it was chosen
+
+    def record_choice(self, tree_id: str | None) -> None:
+        """One request-step's proposal (chains and "none" included), for the share of steps per tree."""
+        key = tree_id or "none"
+        self.chosen[key] = self.chosen.get(key, 0) + 1
 
     def record(self, tree_id: str, num_nodes: int, path: list[int], ranks: list[int]) -> None:
         """One verified tree: ``path`` = accepted node indices (1-based), ``ranks[j-1]`` = node j's rank."""
@@ -40,4 +46,9 @@ def worker_stats(worker) -> dict:
     """For ``LLM.collective_rpc``: the entmtp drafter's :class:`TreeStats` of this worker, as a dict."""
     drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
     stats = getattr(drafter, "tree_stats", None)
-    return stats.as_dict() if stats is not None else {}
+    out = stats.as_dict() if stats is not None else {}
+    scheduler = getattr(drafter, "scheduler", None)
+    if scheduler is not None:
+        out["scheduler"] = scheduler.stats.as_dict()
+        out["tracked_requests"] = len(drafter.tracker)
+    return out

@@ -67,6 +67,44 @@ def _check_heads_fit(heads_dir: Path, target_model_config) -> "object":
     return cfg
 
 
+def _draft_budget(options, heads_cfg, heads_dir, num_spec: int | None):
+    """``(num_speculative_tokens, static tree id, static tree, tree-set path)`` for the options.
+
+    Scheduled trees (policy other than "static"): the set and its schedule are validated here, at start-up, and a
+    step carries at most the largest tree. A static tree: its node count. Chains: one token per head at most.
+
+    Raises:
+        EntMTPConfigError: a ``num_speculative_tokens`` that contradicts the trees or the heads.
+        TreeSetError, SchedulerError: a bad tree, tree set or schedule (named).
+    """
+    if options.policy != "static":
+        from vllm_entmtp.scheduler import TreeScheduler
+        from vllm_entmtp.trees import load_tree_set
+
+        tree_set = load_tree_set(options.tree_set, num_heads=heads_cfg.num_heads)
+        largest = max(t.num_nodes for t in TreeScheduler.from_config(options, tree_set).ladder)
+        if num_spec is not None and num_spec != largest:
+            raise EntMTPConfigError(
+                f"method 'entmtp': num_speculative_tokens={num_spec} but the largest tree of tree_set "
+                f"{options.tree_set!r} has {largest} nodes; leave num_speculative_tokens out")
+        return largest, None, None, str(tree_set.source)
+    tree_id, tree = resolve_static_tree(options, heads_cfg.num_heads)
+    if tree is not None:  # a tree is verified whole: the step's draft-token budget is its node count
+        if num_spec is not None and num_spec != tree.num_nodes:
+            raise EntMTPConfigError(
+                f"method 'entmtp': num_speculative_tokens={num_spec} but the tree has {tree.num_nodes} nodes; "
+                "leave num_speculative_tokens out with a tree")
+        return tree.num_nodes, tree_id, tree, None
+    if num_spec is None:
+        return heads_cfg.num_heads, None, None, None
+    if num_spec > heads_cfg.num_heads:
+        raise EntMTPConfigError(
+            f"method 'entmtp': num_speculative_tokens={num_spec} but the heads {heads_dir} have "
+            f"{heads_cfg.num_heads} heads, and a chain of draft tokens takes one token per head; allowed: "
+            f"1..{heads_cfg.num_heads}")
+    return num_spec, None, None, None
+
+
 def apply() -> None:
     from pydantic.dataclasses import rebuild_dataclass
     from vllm.config import speculative as S
@@ -98,21 +136,8 @@ def apply() -> None:
             raise EntMTPConfigError("method 'entmtp' needs the target model's config (target_model_config)")
         heads_dir = resolve_heads(self.model, self.target_model_config)
         heads_cfg = _check_heads_fit(heads_dir, self.target_model_config)
-        tree_id, tree = resolve_static_tree(options, heads_cfg.num_heads)
-        if tree is not None:
-            # A tree is verified whole: the step's draft-token budget is its node count.
-            if self.num_speculative_tokens is not None and self.num_speculative_tokens != tree.num_nodes:
-                raise EntMTPConfigError(
-                    f"method 'entmtp': num_speculative_tokens={self.num_speculative_tokens} but the tree has "
-                    f"{tree.num_nodes} nodes; leave num_speculative_tokens out with a tree")
-            self.num_speculative_tokens = tree.num_nodes
-        elif self.num_speculative_tokens is None:
-            self.num_speculative_tokens = heads_cfg.num_heads
-        elif self.num_speculative_tokens > heads_cfg.num_heads:
-            raise EntMTPConfigError(
-                f"method 'entmtp': num_speculative_tokens={self.num_speculative_tokens} but the heads {heads_dir} "
-                f"have {heads_cfg.num_heads} heads, and a chain of draft tokens takes one token per head; allowed: "
-                f"1..{heads_cfg.num_heads}")
+        (self.num_speculative_tokens, tree_id, tree,
+         self.entmtp_tree_set_path) = _draft_budget(options, heads_cfg, heads_dir, self.num_speculative_tokens)
         self.model = str(heads_dir)
         self.method = INNER_METHOD
         orig_post_init(self)

@@ -84,12 +84,23 @@ def _make_proposer_class():
             self.tree_stats = TreeStats()
             self.static_tree = Tree(spec.entmtp_tree) if spec.entmtp_tree else None
             self.static_tree_id = getattr(spec, "entmtp_tree_id", None) or "tree"
-            if self.static_tree is not None and not self._tree_attention_available():
+            self.scheduler = self.tracker = None
+            if spec.entmtp.policy != "static":
+                from vllm_entmtp.entropy import EntropyTracker
+                from vllm_entmtp.scheduler import TreeScheduler
+                from vllm_entmtp.trees import load_tree_set
+
+                tree_set = load_tree_set(spec.entmtp_tree_set_path, num_heads=heads.num_heads)
+                self.scheduler = TreeScheduler.from_config(spec.entmtp, tree_set)
+                self.tracker = EntropyTracker.from_config(spec.entmtp)
+            if (self.static_tree is not None or self.scheduler is not None) \
+                    and not self._tree_attention_available():
                 logger.warning("entmtp: tree verification needs vLLM's CPU attention with the 'vec' KV layout; "
-                               "drafting chains instead of the configured tree")
-                self.static_tree = None
-            logger.info("entmtp: %d MTP heads from %s; drafting %s", heads.num_heads, spec.entmtp_heads,
-                        f"a {self.static_tree.num_nodes}-node tree" if self.static_tree else "chains")
+                               "drafting chains instead of the configured trees")
+                self.static_tree = self.scheduler = self.tracker = None
+            drafting = (f"trees scheduled by policy {spec.entmtp.policy!r}" if self.scheduler is not None
+                        else f"a {self.static_tree.num_nodes}-node tree" if self.static_tree else "chains")
+            logger.info("entmtp: %d MTP heads from %s; drafting %s", heads.num_heads, spec.entmtp_heads, drafting)
 
         def _tree_attention_available(self) -> bool:
             from vllm.platforms import current_platform
@@ -121,16 +132,26 @@ def _make_proposer_class():
             req = self.runner.requests.get(req_id) if self.runner is not None else None
             return getattr(req, "sampling_params", None)
 
-        def _tree_for(self, req_id: str, budget: int) -> Tree | None:
+        def _tree_for(self, req_id: str, budget: int, choice: tuple | None = None) -> tuple[str, Tree | None]:
+            """``(tree id, tree)`` a request drafts this step; ``choice`` is the scheduler's, if any."""
             if budget <= 0:
-                return None
+                return "", None
             sp = self._sampling_params(req_id)
             if not tree_eligible(sp):
                 # vLLM verifies these; its random rejection sampling is broken on CPU 0.32 (module docstring)
-                return Tree.chain(min(budget, self.model.num_heads)) if _is_greedy(sp) else None
-            if self.static_tree is not None:
-                return self.static_tree.prefix(min(budget, self.static_tree.num_nodes))
-            return Tree.chain(min(budget, self.model.num_heads))
+                n = min(budget, self.model.num_heads)
+                return (f"chain{n}", Tree.chain(n)) if _is_greedy(sp) else ("", None)
+            if choice is not None:
+                tree_id, tree = choice
+            elif self.static_tree is not None:
+                tree_id, tree = self.static_tree_id, self.static_tree
+            else:
+                n = min(budget, self.model.num_heads)
+                return f"chain{n}", Tree.chain(n)
+            if tree is None:
+                return "", None
+            n = min(budget, tree.num_nodes)
+            return (tree_id if n == tree.num_nodes else f"{tree_id}@{n}"), tree.prefix(n)
 
         def propose(self, num_speculative_tokens, target_hidden_states, sampling_metadata,
                     slot_mappings=None, active: list[bool] | None = None) -> list[list[int]]:
@@ -139,14 +160,45 @@ def _make_proposer_class():
             budgets = self._request_budgets(num_speculative_tokens, req_ids)
             if active is not None:
                 budgets = [b if a else 0 for b, a in zip(budgets, active)]
-            trees = [self._tree_for(r, b) for r, b in zip(req_ids, budgets)]
-            drafts = self.drafter.propose(target_hidden_states, trees)
-            for req_id, tree, toks in zip(req_ids, trees, drafts):
+            if self.scheduler is None:
+                chosen = [self._tree_for(r, b) for r, b in zip(req_ids, budgets)]
+                drafts = self.drafter.propose(target_hidden_states, [t for _, t in chosen])
+            else:
+                chosen, drafts = self._propose_scheduled(target_hidden_states, req_ids, budgets, active)
+            for req_id, (tree_id, tree), toks, live in zip(req_ids, chosen, drafts, active or [True] * n):
+                if live:
+                    self.tree_stats.record_choice(tree_id if toks else None)
                 if tree is not None and toks and _verified_here(tree, self._sampling_params(req_id)):
-                    self.pending[req_id] = (tree, toks)
+                    self.pending[req_id] = (tree_id, tree, toks)
                 else:
                     self.pending.pop(req_id, None)
             return drafts
+
+        def _propose_scheduled(self, hidden, req_ids, budgets, active):
+            """EntMTP: update each request's signals, let the scheduler pick its tree, draft it."""
+            logits = self.drafter.head_logits(hidden, self.model.num_heads)  # [heads, B, V]
+            top1 = self.drafter.head_top1_probs(logits).tolist()  # [B, heads]
+            entropy, accepted = getattr(self.runner, "_entmtp_signals", (None, None))
+            for i, rid in enumerate(req_ids):
+                if active is not None and not active[i]:
+                    continue  # a prefill chunk: no new token, nothing to learn
+                self.tracker.update(rid, entropy[i] if entropy is not None else float("nan"), top1[i],
+                                    accepted[i] if accepted is not None else None)
+            choices = self.scheduler.choose(req_ids, self.tracker.signals_batch(req_ids),
+                                            self.scheduler.node_budget(len(req_ids)))
+            chosen = [self._tree_for(r, b, c) for r, b, c in zip(req_ids, budgets, choices)]
+            return chosen, self.drafter.draft(logits, [t for _, t in chosen])
+
+        def free_missing(self, live_req_ids) -> None:
+            """Drop the state of every request vLLM no longer holds (finished, aborted). Called each step, as a
+            request that finishes last may be announced in a step with nothing to run, which skips the runner."""
+            live = live_req_ids if isinstance(live_req_ids, (set, dict)) else set(live_req_ids)
+            for req_id in [r for r in self.pending if r not in live]:
+                del self.pending[req_id]
+            self._warned &= set(live)
+            if self.scheduler is not None:
+                self.scheduler.free_missing(live)
+                self.tracker.free_missing(live)
 
         @torch.inference_mode()
         def dummy_run(self, num_tokens: int) -> None:
@@ -159,9 +211,7 @@ def _make_proposer_class():
 def _record_tree_rows(runner, scheduler_output) -> None:
     """After ``_prepare_inputs``: positions of tree rows = root + depth; fill STEP for attention/sampling."""
     drafter = runner.drafter
-    for req_id in scheduler_output.finished_req_ids:
-        drafter.pending.pop(req_id, None)
-        drafter._warned.discard(req_id)
+    drafter.free_missing(runner.requests)
     rows: dict[int, TreeRows] = {}
     if drafter.pending:
         qsl = runner.query_start_loc.np
@@ -171,25 +221,22 @@ def _record_tree_rows(runner, scheduler_output) -> None:
             sched = sched_spec.get(req_id) if rec is not None else None
             if not sched:
                 continue
-            tree, toks = rec
+            tree_id, tree, toks = rec
             n = len(sched)
             if list(sched) != toks[:n]:  # not the tokens we proposed for this tree: vLLM verifies a chain
                 continue
-            tree = tree.prefix(n)
+            if n < tree.num_nodes:
+                tree, tree_id = tree.prefix(n), f"{tree_id.split('@')[0]}@{n}"
             if not _verified_here(tree, drafter._sampling_params(req_id)):
                 continue
             q0 = int(qsl[b])
             root_pos = int(runner.positions[q0])
             runner.positions[q0 + 1:q0 + 1 + n] = root_pos + torch.tensor(tree.depths, dtype=runner.positions.dtype)
-            full = drafter.static_tree
-            if full is not None and tree == full.prefix(n):
-                tree_id = drafter.static_tree_id if n == full.num_nodes else f"{drafter.static_tree_id}@{n}"
-            else:
-                tree_id = f"chain{n}"
             rows[b] = TreeRows(b, q0, toks[:n], tree.parents, tree.ancestor_mask(), fix_rows_for(tree.parents),
                                tree_id=tree_id, ranks=tree.ranks)
     STEP.reset(rows)
     runner._entmtp_last_rows = {}
+    runner._entmtp_signals = (None, None)
 
 
 def _verify_trees(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output) -> None:
@@ -223,6 +270,24 @@ def _verify_trees(runner, logits: torch.Tensor, spec_decode_metadata, sampler_ou
             moves.append((tr, path))
     if moves:
         _compact_kv(moves)
+
+
+def _step_signals(logits: torch.Tensor, spec_decode_metadata, sampler_output,
+                  tree_rows: dict[int, int]) -> tuple[list, list]:
+    """Per request of the step: the entropy (nats) of the target's distribution at its last accepted position
+    (the row its next token was drawn from; raw logits, before temperature) and the accepted draft tokens."""
+    from vllm_entmtp.entropy import entropy_nats
+
+    emitted = (sampler_output.sampled_token_ids >= 0).sum(dim=1)  # [B]
+    if spec_decode_metadata is None:
+        rows = torch.arange(emitted.shape[0])
+    else:
+        nd = torch.tensor(spec_decode_metadata.num_draft_tokens)
+        starts = torch.cumsum(nd + 1, 0) - (nd + 1)
+        rows = starts + (emitted - 1).clamp(min=0)  # chains: the last accepted row
+        for b, row in tree_rows.items():  # trees: the row of the last accepted node
+            rows[b] = row
+    return entropy_nats(logits[rows]).tolist(), (emitted - 1).clamp(min=0).tolist()
 
 
 def _compact_kv(moves: list[tuple[TreeRows, list[int]]]) -> None:
@@ -274,6 +339,9 @@ def apply() -> None:
         out = orig_sample(self, logits, spec_decode_metadata)
         if spec_decode_metadata is not None and STEP.rows:
             _verify_trees(self, logits, spec_decode_metadata, out)
+        if getattr(getattr(self, "drafter", None), "tracker", None) is not None:
+            self._entmtp_signals = _step_signals(logits, spec_decode_metadata, out,
+                                                 getattr(self, "_entmtp_last_rows", {}))
         return out
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,

@@ -111,3 +111,37 @@ def test_vllm_serve_fails_at_startup_on_a_bad_option(default_model):
     p = subprocess.run(vllm_cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0
     assert "unknown key(s) ['tree_sett']" in p.stderr + p.stdout
+
+
+def test_tree_options_size_the_step(spec_cls, target_model_config, tmp_path):
+    make_heads(tmp_path, num_heads=4)
+    sc = _make(spec_cls, target_model_config, method="entmtp", model=str(tmp_path), tree_set="default",
+               tree_id="mc6")
+    assert sc.num_speculative_tokens == 6 and len(sc.entmtp_tree) == 6 and sc.entmtp_tree_id == "mc6"
+    sc = _make(spec_cls, target_model_config, method="entmtp", model=str(tmp_path), tree_set="default",
+               policy="entropy")
+    assert sc.num_speculative_tokens == 24 and sc.entmtp_tree is None  # the ladder's largest tree
+    assert sc.entmtp_tree_set_path.endswith("default.json")
+    sc = _make(spec_cls, target_model_config, method="entmtp", model=str(tmp_path), tree=[[0], [1], [0, 0]])
+    assert sc.num_speculative_tokens == 3 and sc.entmtp_tree == [[0], [1], [0, 0]]
+
+
+def test_bad_tree_file_is_refused_at_startup_with_the_entry_named(spec_cls, target_model_config, tmp_path):
+    make_heads(tmp_path / "heads", num_heads=4)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 1, "name": "bad", "heads": {"kind": "medusa", "num_heads": 4}, '
+                   '"trees": [{"id": "t", "paths": [[0], [1, 0]], "metadata": {"num_nodes": 2, "depth": 2}}]}')
+    with pytest.raises(ValueError, match=r"bad.json.*\[1, 0\]"):
+        _make(spec_cls, target_model_config, method="entmtp", model=str(tmp_path / "heads"), tree_set=str(bad))
+
+
+def test_tree_deeper_than_the_heads_is_refused(spec_cls, target_model_config, tmp_path):
+    make_heads(tmp_path, num_heads=2)
+    with pytest.raises(ValueError, match=r"depth 3, deeper than the 2 heads"):
+        _make(spec_cls, target_model_config, method="entmtp", model=str(tmp_path), tree=[[0], [0, 0], [0, 0, 0]])
+
+
+def test_scheduled_policy_needs_a_tree_set(spec_cls, target_model_config, tmp_path):
+    make_heads(tmp_path, num_heads=4)
+    with pytest.raises(ValueError, match=r"policy.*tree_set"):
+        _make(spec_cls, target_model_config, method="entmtp", model=str(tmp_path), policy="entropy")

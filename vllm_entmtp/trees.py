@@ -44,7 +44,13 @@ SCHEMA_VERSION = 1
 
 
 def shipped_trees_dir() -> Path:
-    """The repository's top-level ``trees/`` folder (beside the ``vllm_entmtp`` package)."""
+    """The repository's top-level ``trees/`` folder, installed as the data package ``vllm_entmtp._trees``
+    (``pyproject.toml`` maps it), so that editable and regular installs both find it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm_entmtp._trees")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
     import vllm_entmtp
 
     return Path(vllm_entmtp.__file__).resolve().parent.parent / "trees"

@@ -84,6 +84,9 @@ def _make_proposer_class():
             self.tree_stats = TreeStats()
             self.static_tree = Tree(spec.entmtp_tree) if spec.entmtp_tree else None
             self.static_tree_id = getattr(spec, "entmtp_tree_id", None) or "tree"
+            from vllm_entmtp.training.record import recorder_from_env
+
+            self.recorder = recorder_from_env()  # self-distillation data for train-heads (training/record.py)
             self.scheduler = self.tracker = None
             if spec.entmtp.policy != "static":
                 from vllm_entmtp.entropy import EntropyTracker
@@ -193,6 +196,8 @@ def _make_proposer_class():
             """Drop the state of every request vLLM no longer holds (finished, aborted). Called each step, as a
             request that finishes last may be announced in a step with nothing to run, which skips the runner."""
             live = live_req_ids if isinstance(live_req_ids, (set, dict)) else set(live_req_ids)
+            if self.recorder is not None:
+                self.recorder.finish_missing(live)
             for req_id in [r for r in self.pending if r not in live]:
                 del self.pending[req_id]
             self._warned &= set(live)
@@ -362,6 +367,8 @@ def apply() -> None:
                 off += num_draft + 1
             hidden = sample_hidden_states[torch.tensor(idx, device=sample_hidden_states.device)]
         active = [len(t) > 0 for t in sampled_token_ids]  # no drafts for prefill chunks
+        if self.drafter.recorder is not None:
+            self.drafter.recorder.add(list(self.input_batch.req_ids[:n]), hidden, sampled_token_ids)
         return self.drafter.propose(scheduler_output.num_spec_tokens_to_schedule, hidden, sampling_metadata,
                                     active=active)
 

@@ -108,6 +108,8 @@ def build_plan(tok, positions: int, mix: dict[str, float], max_len: int, seed: i
             ids, start, ranges = r
             plan.append(PlannedSeq(source, d.id, ids, start, ranges))
             got += max(0, len(ids) - start - num_label_heads - 1)
+    # interleave the sources, so that any prefix of the shards is a representative mix
+    random.Random(f"{seed}:plan").shuffle(plan)
     return plan
 
 
@@ -224,7 +226,7 @@ class CachedData:
             if is_heldout(did, heldout_percent) != heldout:
                 continue
             b = int(self.offsets[s]) + int(self.start[s])
-            e = int(self.offsets[s + 1]) - num_heads - 1
+            e = int(self.offsets[s + 1]) - num_heads
             if e > b:
                 chunks.append(torch.arange(b, e))
         return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.long)

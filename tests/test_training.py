@@ -1,0 +1,192 @@
+"""Head training: the loss and evaluation on a trivially learnable mapping, and the whole command end to end
+(data cache, training, checkpoint, resume, eval-only) with a tiny random target model. A few seconds each."""
+import argparse
+import json
+
+import pytest
+import torch
+
+from vllm_entmtp.heads.medusa import MedusaHeads, MedusaHeadsConfig, load_heads
+from vllm_entmtp.training import data as D
+from vllm_entmtp.training import train as T
+
+
+def _synthetic(V=64, H=64, n_seq=40, L=50, seed=0) -> tuple[D.CachedData, torch.Tensor]:
+    """Target argmax a_t = (x_t + 1) mod V on text x_t = x_0 + t; h_t is the lm_head row of a_t, so head k
+    must map "the target predicts a" to a + k + 1: learnable by one residual block."""
+    g = torch.Generator().manual_seed(seed)
+    W = torch.linalg.qr(torch.randn(H, H, generator=g))[0][:V] * 4  # orthogonal rows
+    x0 = torch.randint(V, (n_seq,), generator=g)
+    tokens = torch.cat([(x + torch.arange(L)) % V for x in x0])
+    argmax = (tokens + 1) % V
+    return D.CachedData(hidden=W[argmax].half(), argmax=argmax, tokens=tokens,
+                        assistant=torch.ones(len(tokens), dtype=torch.bool),
+                        offsets=torch.arange(n_seq + 1) * L, start=torch.zeros(n_seq, dtype=torch.long),
+                        doc_ids=[f"doc{i}" for i in range(n_seq)], sources=["x"] * n_seq), W
+
+
+def test_labels_and_greedy_path():
+    data, _ = _synthetic(n_seq=2, L=10)
+    pos = data.positions(num_heads=2, heldout_percent=0.0, heldout=False)
+    assert pos.tolist() == list(range(0, 8)) + list(range(10, 18))  # t + 2 < L per sequence
+    y = data.labels(pos, 2)
+    assert torch.equal(y[0], data.argmax[pos + 1]) and torch.equal(y[1], data.argmax[pos + 2])
+    assert data.on_greedy_path(pos, 2).all()  # this text follows the target's argmax everywhere
+    data.tokens[3] = (data.tokens[3] + 5) % 64
+    path = data.on_greedy_path(pos, 2)
+    assert not path[0, 2] and path[0, 3] and not path[1, 1] and not path[1, 2]
+
+
+@pytest.mark.parametrize("mode", ["sampled", "full"])
+def test_heads_learn_trivial_mapping(mode):
+    torch.manual_seed(0)
+    data, W = _synthetic()
+    pos = data.positions(2, 0.0, heldout=False)
+    heads = MedusaHeads(MedusaHeadsConfig(hidden_size=64, vocab_size=64, num_heads=2, num_hidden_layers=1))
+    before = T.evaluate(heads, data, pos, W)["all"]["top1"]
+    assert max(before) < 0.1  # untrained heads predict a_t itself, never a_t + k + 1
+    opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
+    losses = []
+    for step in range(150):
+        idx = pos[torch.randint(len(pos), (256,))]
+        loss, per_head = T.head_loss(heads(data.hidden[idx].float()), data.labels(idx, 2), W, mode, 8)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        assert len(per_head) == 2
+    assert sum(losses[-10:]) < 0.2 * sum(losses[:10])
+    after = T.evaluate(heads, data, pos, W)
+    assert min(after["all"]["top1"]) > 0.95 and min(after["all"]["top5"]) > 0.99
+
+
+def test_sampled_loss_matches_full_when_candidates_cover_vocab():
+    torch.manual_seed(0)
+    W = torch.randn(10, 8)
+    z, y = torch.randn(2, 5, 8), torch.randint(10, (2, 5))
+    full, _ = T.head_loss(z, y, W, "full", 0)
+    sampled, _ = T.head_loss(z, y, W, "sampled", 1000)  # 1000 random ids cover all 10 tokens
+    assert torch.allclose(full, sampled, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    """A random 2-layer Llama (hidden 32) with the real SmolLM2 tokenizer and chat template."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from vllm_entmtp.models import default_model_dir
+    src = default_model_dir()
+    if not (src / "tokenizer.json").is_file():
+        pytest.skip("the default model is not prepared (run `vllm-entmtp prepare`)")
+    out = tmp_path_factory.mktemp("tiny-target")
+    tok = AutoTokenizer.from_pretrained(src)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      max_position_embeddings=512, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _args(tiny_target, tmp_path, **kw):
+    p = argparse.ArgumentParser()
+    T.add_arguments(p)
+    argv = ["--model", str(tiny_target), "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "heads"),
+            "--positions", "6000", "--max-len", "128", "--num-heads", "2", "--epochs", "2", "--batch-size", "256",
+            "--heldout-percent", "15", "--eval-positions", "300", "--checkpoint-every", "2", "--seed", "1",
+            "--shard-tokens", "1000"]
+    for k, v in kw.items():
+        argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    return p.parse_args(argv)
+
+
+def test_train_heads_end_to_end_and_resume(tiny_target, tmp_path, capsys):
+    assert T.run(_args(tiny_target, tmp_path, cache_only=True, shards=2)) == 0
+    data_dir = tmp_path / "work" / "data"
+    assert len(list(data_dir.glob("shard-*.pt"))) == 2
+    first = (data_dir / "shard-00000.pt").stat().st_mtime_ns
+    assert T.run(_args(tiny_target, tmp_path)) == 0  # caches the missing shards, then trains
+    assert len(list(data_dir.glob("shard-*.pt"))) >= 3
+    assert (data_dir / "shard-00000.pt").stat().st_mtime_ns == first  # the cache was reused, not rebuilt
+    cfg = json.loads((tmp_path / "heads" / "config.json").read_text())
+    heads = load_heads(tmp_path / "heads", hidden_size=32)
+    assert heads.num_heads == 2 and cfg["num_hidden_layers"] == 1 and cfg["original_lm_head"] is True
+    ent = cfg["entmtp"]
+    assert ent["seed"] == 1 and ent["command"].startswith("vllm-entmtp train-heads")
+    assert ent["data"]["train_positions"] > 4000 and ent["data"]["heldout_positions"] > 0
+    assert set(ent["data"]["sources"]) == {"sharegpt", "gsm8k", "code"}
+    assert len(ent["heldout"]["all"]["top1"]) == 2 and all(0 <= v <= 1 for v in ent["heldout"]["all"]["top5"])
+    hist = ent["history"]
+    assert hist and hist[-1]["step"] == ent["training"]["steps"]
+    steps = ent["training"]["steps"]
+    # rerunning the same command resumes at the last checkpoint: no further steps, same result
+    weights = (tmp_path / "heads" / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert T.run(_args(tiny_target, tmp_path)) == 0
+    assert f"resuming from step {steps}/{steps}" in capsys.readouterr().err
+    assert (tmp_path / "heads" / "model.safetensors").read_bytes() == weights
+    # a longer run resumes from the checkpoint too, but other settings are refused
+    with pytest.raises(SystemExit, match="other settings"):
+        T.run(_args(tiny_target, tmp_path, lr=0.5))
+    assert T.run(_args(tiny_target, tmp_path, eval_only=True)) == 0
+    assert "held-out positions: 300" in capsys.readouterr().out
+
+
+def test_interrupted_training_resumes_to_same_weights(tiny_target, tmp_path, monkeypatch):
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    assert T.run(_args(tiny_target, ref)) == 0
+    # interrupt a second run after its 3rd optimizer step (a checkpoint is written every 2 steps)
+    run2 = tmp_path / "run2"
+    run2.mkdir()
+    real_step, calls = torch.optim.AdamW.step, {"n": 0}
+
+    def flaky_step(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise KeyboardInterrupt
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", flaky_step)
+    with pytest.raises(KeyboardInterrupt):
+        T.run(_args(tiny_target, run2))
+    monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
+    assert T.run(_args(tiny_target, run2)) == 0
+    a = load_heads(ref / "heads").state_dict()
+    b = load_heads(run2 / "heads").state_dict()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_masked_loss_uses_only_selected_positions():
+    torch.manual_seed(0)
+    W = torch.randn(10, 8)
+    z, y = torch.randn(2, 6, 8), torch.randint(10, (2, 6))
+    mask = torch.tensor([[1, 1, 0, 1, 0, 0], [0, 1, 0, 0, 0, 1]], dtype=torch.bool)
+    want = torch.stack([torch.nn.functional.cross_entropy(z[k][mask[k]] @ W.t(), y[k][mask[k]]) for k in range(2)])
+    for mode in ("full", "sampled"):
+        got, per_head = T.head_loss(z, y, W, mode, 1000, mask=mask)
+        assert torch.allclose(got, want.mean(), atol=1e-6)
+        assert per_head == pytest.approx(want.tolist(), abs=1e-5)
+    # a head without any selected position contributes zero
+    got, per_head = T.head_loss(z, y, W, "full", 0, mask=torch.zeros(2, 6, dtype=torch.bool))
+    assert float(got) == 0.0 and per_head == [0.0, 0.0]
+
+
+def test_train_on_recorded_generations(tiny_target, tmp_path):
+    """``--recorded``: shards written by vllm_entmtp.training.record (hidden, the target's chosen tokens)."""
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for n in range(2):
+        lens = torch.tensor([60] * 20)
+        torch.save({"hidden": torch.randn(int(lens.sum()), 32, generator=g).half(),
+                    "tokens": torch.randint(1000, (int(lens.sum()),), generator=g, dtype=torch.int32),
+                    "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])},
+                   rec / f"rec-1-{n:04d}.pt")
+    assert T.run(_args(tiny_target, tmp_path, recorded=rec)) == 0
+    ent = json.loads((tmp_path / "heads" / "config.json").read_text())["entmtp"]
+    assert set(ent["data"]["sources"]) == {"self-distilled"} and ent["data"]["sequences"] == 40
+    assert ent["data"]["recorded"] == str(rec)
+    # every recorded position is on the target's greedy path
+    assert ent["heldout"]["greedy_path"]["positions"][1] == ent["heldout"]["positions"]

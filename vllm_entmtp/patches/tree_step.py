@@ -63,15 +63,4 @@ def fix_rows_for(parents: list[int]) -> list[int]:
     return out
 
 
-def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """``[n+1, n+1]`` bool: row i attends to column j iff j is i or an ancestor of i (0 = root)."""
-    n = len(parents) + 1
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    mask[0, 0] = True
-    for j, p in enumerate(parents, start=1):
-        mask[j] = mask[p]
-        mask[j, j] = True
-    return mask
-
-
 STEP = TreeStep()

@@ -46,3 +46,34 @@ def make_heads(path, *, hidden_size=576, vocab_size=49152, num_heads=3, num_laye
         torch.nn.init.normal_(p, std=0.02)
     heads.save(path)
     return heads
+
+
+def load_benchmark(name: str):
+    """Import ``benchmarks/<name>.py`` (a script folder, not a package) as module ``<name>_bench``."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_public_checkpoint(path, config: dict, state: dict, stem: str, fmt: str = "pt"):
+    """A heads folder in a public layout: ``config.json`` and ``<stem>.pt`` (torch.save) or
+    ``<stem>.safetensors``."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    if fmt == "pt":
+        torch.save(state, path / f"{stem}.pt")
+    else:
+        save_file({k: v.contiguous().clone() for k, v in state.items()}, str(path / f"{stem}.safetensors"))
+    return path

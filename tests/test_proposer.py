@@ -52,3 +52,92 @@ def test_tree_nodes_carry_the_heads_topk_by_depth_and_rank():
     out = drafter.propose(x, [tree, None])
     assert out[1] == []
     assert out[0] == [int(topk[len(p) - 1, 0, p[-1]]) for p in tree.paths]
+
+
+# ---------------------------------------------------------------------------------------------- Hydra
+def _hydra(num_heads=3, hidden=8, vocab=12, draft_vocab=None, threshold=0.0, seed=0):
+    from vllm_entmtp.heads.hydra import HydraHeads, HydraHeadsConfig
+    from vllm_entmtp.proposer import HydraDrafter
+
+    torch.manual_seed(seed)
+    heads = HydraHeads(HydraHeadsConfig(hidden_size=hidden, vocab_size=vocab, hydra_num_heads=num_heads,
+                                        truncated_vocab_size=draft_vocab))
+    for name, p in heads.named_parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    if draft_vocab is not None:
+        heads.token_map.copy_(torch.randperm(vocab)[:draft_vocab].sort().values)
+    w, e = torch.randn(vocab, hidden), torch.randn(vocab, hidden)
+    return HydraDrafter(heads, lambda ids: e[ids], w, confidence_threshold=threshold), heads, w, e
+
+
+def _hydra_topk(heads, w, e, h, path_ids, k):
+    """Head len(path_ids)-1 on one path, computed directly: its top-k target token ids and top-1 probability."""
+    d = len(path_ids) - 1
+    x = torch.cat([h] + [e[t] for t in path_ids])[None].detach()
+    logits = heads.hydra_mlp[d](x) @ heads.draft_lm_weight(w).t()
+    return heads.to_token_ids(logits.topk(k).indices[0]).tolist(), float(torch.softmax(logits, -1).max())
+
+
+def test_hydra_tree_children_depend_on_their_parents_token():
+    from vllm_entmtp.trees import Tree
+
+    for draft_vocab in (None, 7):
+        drafter, heads, w, e = _hydra(draft_vocab=draft_vocab)
+        tree = Tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [1, 0, 0]])
+        x, bonus = torch.randn(2, 8), torch.tensor([3, 5])
+        out = drafter.propose(x, [tree, None], bonus)
+        assert out[1] == []
+        toks = out[0]
+        for j, path in enumerate(tree.paths, start=1):  # brute force: the node's parent path through the heads
+            parent_tokens = [toks[tree.paths.index(path[:i])] for i in range(1, len(path))]
+            expected, _ = _hydra_topk(heads, w, e, x[0], [3] + parent_tokens, path[-1] + 1)
+            assert toks[j - 1] == expected[path[-1]], path
+        if draft_vocab is not None:
+            assert set(toks) <= set(heads.token_map.tolist())
+
+
+def test_hydra_confidence_state_is_reused_and_gives_the_same_drafts():
+    from vllm_entmtp.trees import Tree
+
+    drafter, heads, w, e = _hydra()
+    x, bonus = torch.randn(3, 8), torch.tensor([1, 2, 3])
+    trees = [Tree([[0], [1], [0, 0], [0, 0, 0]]), Tree.chain(3), None]
+    probs, state = drafter.confidence(x, bonus)
+    assert probs.shape == (3, 3) and probs.dtype == torch.float32
+    # top-1 probabilities along each request's greedy chain
+    for b in range(3):
+        path = [int(bonus[b])]
+        for k in range(3):
+            toks, p = _hydra_topk(heads, w, e, x[b], path, 1)
+            assert abs(float(probs[b, k]) - p) < 1e-5
+            path.append(toks[0])
+    assert drafter.propose(x, trees, bonus, state) == drafter.propose(x, trees, bonus)
+
+
+def test_hydra_confidence_threshold_cuts_chains():
+    drafter, heads, w, e = _hydra(seed=3)
+    x, bonus = torch.randn(8, 8), torch.arange(8)
+    probs, _ = drafter.confidence(x, bonus)
+    full = drafter.propose_chains(x, bonus, [3] * 8)
+    two = torch.cumprod(probs, 1)[:, 1].sort().values
+    threshold = float(two[3] + two[4]) / 2  # some chains keep 2+ tokens, some fewer
+    drafter.confidence_threshold = threshold
+    out = drafter.propose_chains(x, bonus, [3] * 8)
+    for b in range(8):
+        n = 0
+        while n < 3 and float(torch.prod(probs[b, :n + 1])) >= threshold:
+            n += 1
+        assert out[b] == full[b][:n]
+    assert any(len(o) < 2 for o in out) and any(len(o) >= 2 for o in out)
+
+
+def test_hydra_needs_the_bonus_token():
+    import pytest
+
+    from vllm_entmtp.trees import Tree
+
+    drafter, *_ = _hydra()
+    with pytest.raises(ValueError, match="bonus"):
+        drafter.propose(torch.randn(1, 8), [Tree.chain(2)])
+    with pytest.raises(ValueError, match="depth 4"):
+        drafter.propose(torch.randn(1, 8), [Tree.chain(4)], torch.tensor([0]))

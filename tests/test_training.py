@@ -43,7 +43,7 @@ def test_heads_learn_trivial_mapping(mode):
     data, W = _synthetic()
     pos = data.positions(2, 0.0, heldout=False)
     heads = MedusaHeads(MedusaHeadsConfig(hidden_size=64, vocab_size=64, num_heads=2, num_hidden_layers=1))
-    before = T.evaluate(heads, data, pos, W)["all"]["top1"]
+    before = T.evaluate(T.MedusaAdapter(heads, W), data, pos)["all"]["top1"]
     assert max(before) < 0.1  # untrained heads predict a_t itself, never a_t + k + 1
     opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
     losses = []
@@ -56,8 +56,63 @@ def test_heads_learn_trivial_mapping(mode):
         losses.append(float(loss.detach()))
         assert len(per_head) == 2
     assert sum(losses[-10:]) < 0.2 * sum(losses[:10])
-    after = T.evaluate(heads, data, pos, W)
+    after = T.evaluate(T.MedusaAdapter(heads, W), data, pos)
     assert min(after["all"]["top1"]) > 0.95 and min(after["all"]["top5"]) > 0.99
+
+
+def _random_text(V=48, H=64, n_seq=60, L=40, seed=1):
+    """Random text; the target's argmax is a fixed function of the current token, a_t = (7 x_t + 3) mod V, and
+    h_t is the lm_head row of a_t. The label of head k at t, a_{t+k+1}, depends on the *text* token x_{t+k+1},
+    which h_t does not know: only heads that read the path's tokens (Hydra) can learn it."""
+    g = torch.Generator().manual_seed(seed)
+    W = torch.linalg.qr(torch.randn(H, H, generator=g))[0][:V] * 4
+    E = torch.linalg.qr(torch.randn(H, H, generator=g))[0][:V] * 4
+    tokens = torch.randint(V, (n_seq * L,), generator=g)
+    argmax = (7 * tokens + 3) % V
+    data = D.CachedData(hidden=W[argmax].half(), argmax=argmax, tokens=tokens,
+                        assistant=torch.ones(len(tokens), dtype=torch.bool), offsets=torch.arange(n_seq + 1) * L,
+                        start=torch.zeros(n_seq, dtype=torch.long), doc_ids=[f"d{i}" for i in range(n_seq)],
+                        sources=["x"] * n_seq)
+    return data, W, E
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_hydra_heads_learn_what_depends_on_the_path_and_medusa_heads_cannot(draft_vocab):
+    from vllm_entmtp.heads.hydra import HydraHeads, HydraHeadsConfig
+
+    torch.manual_seed(0)
+    V = 48
+    data, W, E = _random_text(V=V)
+    pos = data.positions(2, 0.0, heldout=False)
+    hydra = HydraHeads(HydraHeadsConfig(hidden_size=64, vocab_size=V, hydra_num_heads=2,
+                                        truncated_vocab_size=draft_vocab))
+    if draft_vocab is not None:
+        vocab, coverage = T.draft_vocabulary(data, pos, draft_vocab)
+        assert len(vocab) == draft_vocab and 0.7 < coverage < 1.0
+        hydra.token_map.copy_(vocab)
+    medusa = MedusaHeads(MedusaHeadsConfig(hidden_size=64, vocab_size=V, num_heads=2))
+    results = {}
+    for name, adapter in (("hydra", T.HydraAdapter(hydra, W, E)), ("medusa", T.MedusaAdapter(medusa, W))):
+        opt = torch.optim.AdamW(adapter.heads.parameters(), lr=1e-2)
+        for step in range(200):
+            idx = pos[torch.randint(len(pos), (256,))]
+            y = data.labels(idx, 2)
+            mask = torch.ones_like(y, dtype=torch.bool)
+            if adapter.col_of is not None:
+                y = adapter.col_of[y]
+                mask = y >= 0
+                y = y.clamp(min=0)
+            loss, _ = T.head_loss(adapter.outputs(data, idx), y, adapter.w_cols, "full", 0, mask=mask,
+                                  teacher_h=torch.stack([data.hidden[idx + k + 1] for k in range(2)]).float(),
+                                  teacher_weight=0.5)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        results[name] = T.evaluate(adapter, data, pos)["all"]["top1"]
+    # Hydra: every label whose token is in the draft vocabulary is right
+    in_vocab = 1.0 if draft_vocab is None else coverage
+    assert min(results["hydra"]) > 0.95 * in_vocab
+    assert max(results["medusa"]) < 0.2  # chance is 1/48; h_t says nothing about x_{t+1}
 
 
 def test_sampled_loss_matches_full_when_candidates_cover_vocab():

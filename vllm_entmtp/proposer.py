@@ -1,10 +1,17 @@
 """Draft-token proposal from MTP heads (engine-independent: torch only).
 
-One step: the target model's hidden state at each request's last accepted position goes through the heads
-(one matmul with the shared lm_head for all heads at once); each request gets the tree chosen for it, its
-nodes' tokens taken from the heads' top-k (Medusa, Cai et al. 2024, section 2.1.2: the node with path
-``(r_0, ..., r_d)`` carries head ``d``'s rank-``r_d`` token). A chain of ``n`` draft tokens is the tree
-``[[0], [0, 0], ...]``; chains may be cut where their confidence falls below a threshold.
+Two drafters with one interface (``confidence`` then ``propose``):
+
+* :class:`MTPDrafter` (Medusa heads): the target model's hidden state at each request's last accepted position
+  goes through the heads (one matmul with the shared lm_head for all heads at once); each request gets the tree
+  chosen for it, its nodes' tokens taken from the heads' top-k (Medusa, Cai et al. 2024, section 2.1.2: the
+  node with path ``(r_0, ..., r_d)`` carries head ``d``'s rank-``r_d`` token).
+* :class:`HydraDrafter` (Hydra heads): a node's children come from head ``d`` applied to the hidden state and
+  the embeddings of the bonus token and the node's path, so the tree is built depth by depth, one batched head
+  evaluation per depth for all expanding nodes of all requests (Ankner et al. 2024, section 3).
+
+A chain of ``n`` draft tokens is the tree ``[[0], [0, 0], ...]``; chains may be cut where their confidence
+(the product of the heads' top-1 probabilities along the chain) falls below a threshold.
 """
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from vllm_entmtp.heads.hydra import HydraHeads
 from vllm_entmtp.heads.medusa import MedusaHeads
 from vllm_entmtp.tree_proposal import build_tree_drafts, needed_heads, needed_topk
 from vllm_entmtp.trees import Tree
@@ -43,8 +51,22 @@ class MTPDrafter:
             return torch.stack([self.heads.lm_heads[i](x[i]) for i in range(k)])
         return self.compute_logits(x.reshape(k * b, h)).view(k, b, -1)
 
+    @property
+    def num_heads(self) -> int:
+        return self.heads.num_heads
+
     @torch.inference_mode()
-    def propose(self, hidden: torch.Tensor, trees: Sequence[Tree | None]) -> list[list[int]]:
+    def confidence(self, hidden: torch.Tensor, bonus: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([B, num_heads] float32 top-1 probability of every head, state)``; pass ``state`` to
+        :meth:`propose` to draft from the same head evaluation. ``bonus`` is unused (Medusa heads read h_t only).
+        """
+        logits = self.head_logits(hidden, self.heads.num_heads)
+        return self.head_top1_probs(logits), logits
+
+    @torch.inference_mode()
+    def propose(self, hidden: torch.Tensor, trees: Sequence[Tree | None], bonus: torch.Tensor | None = None,
+                state: torch.Tensor | None = None) -> list[list[int]]:
         """Draft tokens per request, one per node of its tree.
 
         Args:
@@ -53,12 +75,16 @@ class MTPDrafter:
             trees: ``B`` entries: the request's tree (node order = canonical breadth-first order), or None for
                 no draft tokens. Depth must not exceed the number of heads.
 
+            bonus: unused (Medusa heads do not read the bonus token); ``state``: from :meth:`confidence`.
+
         Returns:
             ``B`` token-id lists (``[]`` for None; a chain may come back shorter, see ``confidence_threshold``).
 
         Raises:
             ValueError: ``len(trees) != B``, or a tree deeper than the heads.
         """
+        if state is not None:
+            return self.draft(state, trees)
         b = hidden.shape[0]
         if b != len(trees):
             raise ValueError(f"hidden has {b} rows but {len(trees)} trees were given")
@@ -98,3 +124,141 @@ class MTPDrafter:
         """Chains of the heads' top-1 tokens, at most ``budgets[i]`` (capped at the number of heads) each."""
         n = self.heads.num_heads
         return self.propose(hidden, [Tree.chain(min(x, n)) if x > 0 else None for x in budgets])
+
+
+class HydraDrafter:
+    """Proposes per-request draft trees (chains included) from Hydra heads, depth by depth.
+
+    Args:
+        heads: the Hydra heads, in the target's dtype.
+        embed: the target's input embedding: ``[N] int64 token ids -> [N, hidden]``.
+        lm_head_weight: the target's lm_head weight ``[vocab, hidden]`` (used when the heads share it; its
+            draft-vocabulary rows are copied once here).
+        confidence_threshold: as for :class:`MTPDrafter` (chains only).
+    """
+
+    def __init__(self, heads: HydraHeads, embed: Callable[[torch.Tensor], torch.Tensor],
+                 lm_head_weight: torch.Tensor | None, confidence_threshold: float = 0.0):
+        self.heads = heads
+        self.embed = embed
+        w = heads.draft_lm_weight(lm_head_weight)
+        self.w_draft = w.detach().contiguous() if w is not None else None
+        self.confidence_threshold = float(confidence_threshold)
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads.num_heads
+
+    def _level(self, k: int, hidden: torch.Tensor, path_ids: torch.Tensor, topk: int
+               ) -> tuple[list[list[int]], list[float]]:
+        """Head ``k`` on ``N`` paths: ``hidden [N, H]``, ``path_ids [N, k + 1]`` (bonus token first) ->
+        (``N`` lists of the top-``topk`` token ids, ``N`` top-1 probabilities)."""
+        n = path_ids.shape[0]
+        emb = self.embed(path_ids.reshape(-1)).view(n, path_ids.shape[1], -1).to(hidden.dtype)
+        logits = self.heads.logits(k, self.heads.hidden_states(k, hidden, emb), self.w_draft).float()
+        vals, cols = logits.topk(topk, dim=-1)
+        top1_p = torch.exp(vals[:, 0] - torch.logsumexp(logits, dim=-1))
+        return self.heads.to_token_ids(cols).tolist(), top1_p.tolist()
+
+    @torch.inference_mode()
+    def confidence(self, hidden: torch.Tensor, bonus: torch.Tensor, topk: int = 8
+                   ) -> tuple[torch.Tensor, dict]:
+        """Top-1 probabilities along each request's greedy chain: ``[B, num_heads]`` float32, and a state
+        (every evaluated path's top-``topk`` tokens) that :meth:`propose` reuses for the same paths."""
+        b = hidden.shape[0]
+        memo: dict[tuple[int, tuple[int, ...]], tuple[list[int], float]] = {}
+        paths = [[int(t)] for t in bonus.tolist()]
+        probs = torch.zeros(b, self.num_heads, dtype=torch.float32)
+        for k in range(self.num_heads):
+            ids = torch.tensor(paths, dtype=torch.long, device=hidden.device)
+            toks, p1 = self._level(k, hidden, ids, topk)
+            probs[:, k] = torch.tensor(p1)
+            for i in range(b):
+                memo[(i, tuple(paths[i]))] = (toks[i], p1[i])
+                paths[i].append(toks[i][0])
+        return probs, memo
+
+    @torch.inference_mode()
+    def propose(self, hidden: torch.Tensor, trees: Sequence[Tree | None], bonus: torch.Tensor | None = None,
+                state: dict | None = None) -> list[list[int]]:
+        """Draft tokens per request, one per node of its tree.
+
+        Args:
+            hidden: ``[B, hidden_size]``, the target's final-norm hidden state at each request's last accepted
+                position, in the target's dtype.
+            trees: ``B`` entries: the request's tree (canonical breadth-first order) or None for no drafts.
+            bonus: ``[B]`` int64, the token the target chose after that position (the step's bonus token);
+                required.
+            state: from :meth:`confidence` (paths already evaluated are not evaluated again).
+
+        Returns:
+            ``B`` token-id lists: node ``j``'s token at index ``j - 1`` (``[]`` for None; a chain may come back
+            shorter, see ``confidence_threshold``). Node ``j``'s token is the rank-``ranks[j-1]`` token of head
+            ``depth - 1`` applied to the node's parent path.
+
+        Raises:
+            ValueError: ``len(trees) != B``, no ``bonus``, or a tree deeper than the heads.
+        """
+        b = hidden.shape[0]
+        trees = list(trees)
+        if b != len(trees):
+            raise ValueError(f"hidden has {b} rows but {len(trees)} trees were given")
+        depth = needed_heads(trees)
+        if depth == 0:
+            return [[] for _ in range(b)]
+        if depth > self.num_heads:
+            raise ValueError(f"a tree of depth {depth} needs {depth} heads; there are {self.num_heads}")
+        if bonus is None:
+            raise ValueError("Hydra heads need each request's bonus token (bonus=[B] token ids)")
+        memo = state if state is not None else {}
+        out = [[0] * t.num_nodes if t is not None else [] for t in trees]
+        path_of = {(i, 0): (int(t),) for i, t in enumerate(bonus.tolist())}
+        conf = [1.0] * b  # chains: product of top-1 probabilities so far
+        cut = [t.num_nodes if t is not None else 0 for t in trees]  # chains: nodes kept
+        children = [t.children if t is not None else None for t in trees]
+        frontier = [(i, 0) for i, t in enumerate(trees) if t is not None]  # (request, node) at depth d
+        for d in range(depth):
+            expand = [(i, j) for i, j in frontier if children[i][j] and cut[i] > d]
+            if not expand:
+                break
+            k_top = max(max(trees[i].ranks[c - 1] for c in children[i][j]) + 1 for i, j in expand)
+            todo = [(i, j) for i, j in expand if len(memo.get((i, path_of[(i, j)]), ((),))[0]) < k_top]
+            if todo:
+                rows = torch.tensor([i for i, _ in todo], device=hidden.device)
+                ids = torch.tensor([path_of[x] for x in todo], dtype=torch.long, device=hidden.device)
+                toks, p1 = self._level(d, hidden.index_select(0, rows), ids, k_top)
+                for x, tk, p in zip(todo, toks, p1):
+                    memo[(x[0], path_of[x])] = (tk, p)
+            frontier = []
+            for i, j in expand:
+                tk, p = memo[(i, path_of[(i, j)])]
+                if self.confidence_threshold > 0.0 and self._is_chain(trees[i]):
+                    conf[i] *= p
+                    if conf[i] < self.confidence_threshold:
+                        cut[i] = d  # this head's token is not confident enough: stop before it
+                        continue
+                for c in children[i][j]:
+                    tok = tk[trees[i].ranks[c - 1]]
+                    out[i][c - 1] = tok
+                    path_of[(i, c)] = path_of[(i, j)] + (tok,)
+                    frontier.append((i, c))
+        return [o[:cut[i]] if trees[i] is not None and self._is_chain(trees[i]) else o for i, o in enumerate(out)]
+
+    @staticmethod
+    def _is_chain(tree: Tree | None) -> bool:
+        return tree is not None and tree.num_nodes == tree.depth
+
+    def propose_chains(self, hidden: torch.Tensor, bonus: torch.Tensor, budgets: Sequence[int]) -> list[list[int]]:
+        """Chains of the heads' top-1 tokens, at most ``budgets[i]`` (capped at the number of heads) each."""
+        n = self.num_heads
+        return self.propose(hidden, [Tree.chain(min(x, n)) if x > 0 else None for x in budgets], bonus)
+
+
+def make_drafter(heads: MedusaHeads | HydraHeads, target_model, confidence_threshold: float = 0.0
+                 ) -> MTPDrafter | HydraDrafter:
+    """The drafter for ``heads`` on a vLLM target model (uses its ``compute_logits``, ``embed_input_ids`` and
+    ``lm_head.weight``)."""
+    if isinstance(heads, HydraHeads):
+        lm = getattr(getattr(target_model, "lm_head", None), "weight", None)
+        return HydraDrafter(heads, target_model.embed_input_ids, lm, confidence_threshold=confidence_threshold)
+    return MTPDrafter(heads, target_model.compute_logits, confidence_threshold=confidence_threshold)

@@ -140,9 +140,58 @@ def read_heads_config(path: str | Path) -> MedusaHeadsConfig:
         raise HeadsCheckpointError(f"MTP heads checkpoint {cfg_file}: {e}") from e
 
 
+def weight_shapes(cfg, cls: type[nn.Module] | None = None) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor ``cls(cfg)`` holds (default ``MedusaHeads``: vLLM's Medusa names);
+    allocates nothing."""
+    with torch.device("meta"):
+        heads = (cls or MedusaHeads)(cfg)
+    return {name: tuple(t.shape) for name, t in heads.state_dict().items()}
+
+
+def describe_config(cfg: MedusaHeadsConfig) -> str:
+    """The config fields that decide which weights a checkpoint must hold, for error messages."""
+    return (f"num_heads={cfg.num_heads}, num_hidden_layers={cfg.num_hidden_layers}, "
+            f"medusa_fc_bias={cfg.medusa_fc_bias}, original_lm_head={cfg.original_lm_head}, "
+            f"hidden_size={cfg.hidden_size}, vocab_size={cfg.vocab_size}")
+
+
+def check_fits(cfg: MedusaHeadsConfig, path: str | Path, hidden_size: int | None, vocab_size: int | None) -> None:
+    """Refuse heads whose hidden or vocabulary size differs from the target's (``None``: not checked).
+
+    Raises:
+        HeadsCheckpointError: naming both sizes.
+    """
+    for name, want in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
+        if want is not None and getattr(cfg, name) != want:
+            raise HeadsCheckpointError(f"MTP heads {path} were built for {name}={getattr(cfg, name)}, but the "
+                                       f"target model has {name}={want}")
+
+
+def check_weights(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], where: str,
+                  describe: str) -> None:
+    """Refuse a checkpoint whose weights (name -> shape) are not exactly ``expected``: every missing and
+    unexpected name, and every weight of the wrong shape, is named (a half-loaded head proposes garbage).
+
+    Raises:
+        HeadsCheckpointError
+    """
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise HeadsCheckpointError(
+            f"MTP heads checkpoint {where} does not match its config ({describe}): missing weights "
+            f"{missing or 'none'}; unexpected weights {unexpected or 'none'}")
+    wrong = [f"weight {name} has shape {tuple(found[name])}, expected {tuple(want)}"
+             for name, want in expected.items() if tuple(found[name]) != tuple(want)]
+    if wrong:
+        raise HeadsCheckpointError(f"MTP heads checkpoint {where}: {'; '.join(wrong)} ({describe})")
+
+
 def load_heads(path: str | Path, *, hidden_size: int | None = None, vocab_size: int | None = None,
                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> MedusaHeads:
-    """Load Medusa heads from directory ``path`` and check that they fit the target model.
+    """Load Medusa heads (vLLM's layout) from directory ``path`` and check that they fit the target model.
+
+    Other layouts: :func:`vllm_entmtp.heads.formats.load_any_heads`.
 
     Args:
         hidden_size: the target's hidden size; checked against the config when given.
@@ -154,30 +203,13 @@ def load_heads(path: str | Path, *, hidden_size: int | None = None, vocab_size: 
     """
     path = Path(path)
     cfg = read_heads_config(path)
-    if hidden_size is not None and cfg.hidden_size != hidden_size:
-        raise HeadsCheckpointError(f"MTP heads {path} were built for hidden_size={cfg.hidden_size}, but the "
-                                   f"target model has hidden_size={hidden_size}")
-    if vocab_size is not None and cfg.vocab_size != vocab_size:
-        raise HeadsCheckpointError(f"MTP heads {path} were built for vocab_size={cfg.vocab_size}, but the "
-                                   f"target model has vocab_size={vocab_size}")
+    check_fits(cfg, path, hidden_size, vocab_size)
     wfile = path / WEIGHTS_NAME
     if not wfile.is_file():
         raise HeadsCheckpointError(f"MTP heads checkpoint {path}: no {WEIGHTS_NAME}")
     state = load_file(str(wfile))
+    check_weights({k: tuple(v.shape) for k, v in state.items()}, weight_shapes(cfg), str(wfile),
+                  describe_config(cfg))
     heads = MedusaHeads(cfg)
-    expected = heads.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise HeadsCheckpointError(
-            f"MTP heads checkpoint {wfile} does not match its config (num_heads={cfg.num_heads}, "
-            f"num_hidden_layers={cfg.num_hidden_layers}, medusa_fc_bias={cfg.medusa_fc_bias}, "
-            f"original_lm_head={cfg.original_lm_head}): missing weights {missing or 'none'}; "
-            f"unexpected weights {unexpected or 'none'}")
-    for name, want in expected.items():
-        if tuple(state[name].shape) != tuple(want.shape):
-            raise HeadsCheckpointError(f"MTP heads checkpoint {wfile}: weight {name} has shape "
-                                       f"{tuple(state[name].shape)}, expected {tuple(want.shape)} "
-                                       f"(hidden_size={cfg.hidden_size}, vocab_size={cfg.vocab_size})")
     heads.load_state_dict(state, strict=True)
     return heads.to(device=device, dtype=dtype).eval()

@@ -11,7 +11,7 @@ from typing import Literal, Union
 
 from vllm_entmtp.config import EntMTPConfigError, parse_entmtp_options, resolve_static_tree
 from vllm_entmtp.errors import HeadsCheckpointError
-from vllm_entmtp.heads.medusa import read_heads_config
+from vllm_entmtp.heads.formats import read_any_heads_config
 
 METHOD = "entmtp"
 #: vLLM's method that entmtp runs under (hidden states handed to the drafter, async scheduling off, V1 runner).
@@ -55,7 +55,7 @@ def resolve_heads(model: str | None, target_model_config) -> Path:
 
 
 def _check_heads_fit(heads_dir: Path, target_model_config) -> "object":
-    cfg = read_heads_config(heads_dir)
+    cfg = read_any_heads_config(heads_dir)  # any supported layout (vllm_entmtp/heads/formats.py)
     hf = getattr(target_model_config, "hf_config", None)
     text = getattr(hf, "get_text_config", lambda: hf)() if hf is not None else None
     for name in ("hidden_size", "vocab_size"):
@@ -141,6 +141,9 @@ def apply() -> None:
         self.model = str(heads_dir)
         self.method = INNER_METHOD
         orig_post_init(self)
+        # FasterDecoding configs may lack hidden_size (vLLM's MedusaConfig then says 4096): take the heads'.
+        draft = self.draft_model_config
+        draft.hf_config.hidden_size = draft.model_arch_config.hidden_size = heads_cfg.hidden_size
         # Read by the runner patch in every process (survives pickling to the engine core and workers).
         self.entmtp = options
         self.entmtp_heads = str(heads_dir)

@@ -86,6 +86,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="where to save the heads (default: <work-dir>/heads)")
     p.add_argument("--work-dir", default="runs/train-heads",
                    help="cached hidden states, labels and checkpoints (default: %(default)s)")
+    p.add_argument("--kind", choices=("medusa", "hydra"), default="medusa",
+                   help="medusa: heads read h_t only; hydra: head k also reads the embeddings of the k+1 tokens "
+                        "already on its path (default: %(default)s)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="hydra: score only the N token ids the target emits most often in the training data "
+                        "(truncated_vocab_size + token_map); default: the whole vocabulary")
+    p.add_argument("--teacher-loss-weight", type=float, default=0.0,
+                   help="weight of the soft loss against the target's own distribution at the label position "
+                        "(over the same candidate tokens as the hard loss); 1 - weight goes to the target's "
+                        "argmax (default: %(default)s)")
     p.add_argument("--num-heads", type=int, default=4, help="heads (default: %(default)s)")
     p.add_argument("--num-layers", type=int, default=1, help="residual blocks per head (default: %(default)s)")
     p.add_argument("--positions", type=int, default=1_000_000,
@@ -157,9 +167,7 @@ def prepare_data(args, model_dir: str, log=_log) -> tuple[D.CachedData, dict]:
         from vllm_entmtp.training.record import load_recorded
 
         _, model = _load_target(model_dir)
-        info = {"hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size,
-                "lm_head": model.get_output_embeddings().weight.detach().float().clone()}
-        return load_recorded(args.recorded), info
+        return load_recorded(args.recorded), _target_info(model)
     data_dir = Path(args.work_dir) / "data"
     cfg = {"model": str(model_dir), "positions": args.positions, "mix": args.mix, "max_len": args.max_len,
            "seed": args.seed}
@@ -192,7 +200,52 @@ def prepare_data(args, model_dir: str, log=_log) -> tuple[D.CachedData, dict]:
 
 def _target_info(model) -> dict:
     return {"hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size,
-            "lm_head": model.get_output_embeddings().weight.detach().float().clone()}
+            "lm_head": model.get_output_embeddings().weight.detach().float().clone(),
+            "embed": model.get_input_embeddings().weight.detach().float().clone()}
+
+
+class MedusaAdapter:
+    """Training view of Medusa heads: every head reads ``h_t``; logits over the whole vocabulary."""
+
+    def __init__(self, heads, lm_head: torch.Tensor):
+        self.heads, self.w_cols, self.col_of = heads, lm_head, None
+
+    def outputs(self, data: D.CachedData, pos: torch.Tensor) -> torch.Tensor:
+        """``[K, N, hidden]`` head hidden states at positions ``pos``."""
+        return self.heads(data.hidden[pos].float())
+
+    def to_tokens(self, cols: torch.Tensor) -> torch.Tensor:
+        return cols
+
+
+class HydraAdapter:
+    """Training view of Hydra heads: head ``k`` at ``t`` reads ``h_t`` and the input embeddings of the text
+    tokens ``t+1 .. t+k+1`` (during decoding: the bonus token and the path's draft tokens); logits over the
+    draft vocabulary (``token_map``) when it is truncated."""
+
+    def __init__(self, heads, lm_head: torch.Tensor, embed: torch.Tensor):
+        self.heads, self.embed = heads, embed
+        self.w_cols = heads.draft_lm_weight(lm_head)
+        self.col_of = None
+        if heads.token_map is not None:
+            self.col_of = torch.full((lm_head.shape[0],), -1, dtype=torch.long)
+            self.col_of[heads.token_map] = torch.arange(len(heads.token_map))
+
+    def outputs(self, data: D.CachedData, pos: torch.Tensor) -> torch.Tensor:
+        K = self.heads.num_heads
+        emb = self.embed[torch.stack([data.tokens[pos + j + 1] for j in range(K)], dim=1)]  # [N, K, H]
+        h = data.hidden[pos].float()
+        return torch.stack([self.heads.hidden_states(k, h, emb) for k in range(K)])
+
+    def to_tokens(self, cols: torch.Tensor) -> torch.Tensor:
+        return self.heads.to_token_ids(cols)
+
+
+def draft_vocabulary(data: D.CachedData, pos: torch.Tensor, size: int) -> tuple[torch.Tensor, float]:
+    """The ``size`` token ids the target emits (argmax) most often at ``pos``, sorted, and their coverage."""
+    counts = torch.bincount(data.argmax[pos], minlength=int(data.argmax.max()) + 1)
+    top = counts.topk(min(size, len(counts))).indices
+    return top.sort().values, float(counts[top].sum() / counts.sum())
 
 
 def _lr_at(step: int, total: int, args) -> float:
@@ -204,12 +257,16 @@ def _lr_at(step: int, total: int, args) -> float:
 
 def head_loss(z: torch.Tensor, y: torch.Tensor, W: torch.Tensor, mode: str, negatives: int,
               gen: torch.Generator | None = None, hard: torch.Tensor | None = None,
-              mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
-    """Mean cross-entropy over heads: ``z [K, B, H]`` head outputs, ``y [K, B]`` labels, ``W [V, H]`` lm_head.
+              mask: torch.Tensor | None = None, teacher_h: torch.Tensor | None = None,
+              teacher_weight: float = 0.0) -> tuple[torch.Tensor, list[float]]:
+    """Mean loss over heads: ``z [K, B, H]`` head outputs, ``y [K, B]`` label columns of ``W [V, H]`` (the
+    lm_head, or its draft-vocabulary rows).
 
     ``mask [K, B]`` (optional) selects the positions each head learns from. ``sampled``: softmax over the union
-    of the batch's labels, the token ids ``hard`` (the target's own argmax at ``t``: what an untrained head
-    predicts) and ``negatives`` random token ids.
+    of the batch's labels, the columns ``hard`` (the target's own argmax at ``t``: what an untrained head
+    predicts) and ``negatives`` random columns. ``teacher_h [K, B, H]`` (optional): the target's hidden state at
+    each label's position; with ``teacher_weight`` w the loss is ``(1 - w) * CE(argmax) + w * CE(softmax(teacher))``
+    over the same columns (distillation from the target's distribution, Hydra++).
     """
     K = z.shape[0]
     if mask is None:
@@ -222,14 +279,28 @@ def head_loss(z: torch.Tensor, y: torch.Tensor, W: torch.Tensor, mode: str, nega
         tgt = torch.searchsorted(cand, y.clamp(max=int(cand[-1])))  # masked-out labels are never read
     else:
         Wc, tgt = W, y
-    losses = [F.cross_entropy(z[k][mask[k]] @ Wc.t(), tgt[k][mask[k]]) if mask[k].any()
-              else z.sum() * 0.0 for k in range(K)]
+    losses = []
+    for k in range(K):
+        m = mask[k]
+        if not m.any():
+            losses.append(z.sum() * 0.0)
+            continue
+        logits = z[k][m] @ Wc.t()
+        loss = F.cross_entropy(logits, tgt[k][m])
+        if teacher_h is not None and teacher_weight > 0.0:
+            with torch.no_grad():
+                soft = torch.softmax(teacher_h[k][m] @ Wc.t(), dim=-1)
+            soft_ce = -(soft * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+            loss = (1.0 - teacher_weight) * loss + teacher_weight * soft_ce
+        losses.append(loss)
     return torch.stack(losses).mean(), [float(v.detach()) for v in losses]
 
 
 @torch.no_grad()
-def evaluate(heads, data: D.CachedData, pos: torch.Tensor, W: torch.Tensor, chunk: int = 1024) -> dict:
-    """Full-vocabulary top-1/top-5 accuracy per head on positions ``pos``: all, greedy-path, assistant-only."""
+def evaluate(adapter, data: D.CachedData, pos: torch.Tensor, chunk: int = 1024) -> dict:
+    """Top-1/top-5 accuracy per head on positions ``pos`` (over the heads' whole output vocabulary: the full
+    one, or the draft vocabulary, whose misses count as errors): all, greedy-path, assistant-only."""
+    heads = adapter.heads
     K = heads.num_heads
     y = data.labels(pos, K)
     path = data.on_greedy_path(pos, K)
@@ -239,10 +310,9 @@ def evaluate(heads, data: D.CachedData, pos: torch.Tensor, W: torch.Tensor, chun
     was_training = heads.training
     heads.eval()
     for c in range(0, len(pos), chunk):
-        x = data.hidden[pos[c:c + chunk]].float()
-        z = heads(x)
+        z = adapter.outputs(data, pos[c:c + chunk])
         for k in range(K):
-            t5 = (z[k] @ W.t()).topk(5, dim=-1).indices
+            t5 = adapter.to_tokens((z[k] @ adapter.w_cols.t()).topk(5, dim=-1).indices)
             yk = y[k, c:c + chunk]
             top1[k, c:c + chunk] = t5[:, 0] == yk
             top5[k, c:c + chunk] = (t5 == yk[:, None]).any(-1)
@@ -280,11 +350,32 @@ def _data_counts(data: D.CachedData, train_pos: torch.Tensor, eval_pos: torch.Te
             "labelled_positions": len(train_pos) + len(eval_pos)}
 
 
+def _new_heads(kind: str, cfg: dict):
+    if kind == "hydra":
+        from vllm_entmtp.heads.hydra import HydraHeads, HydraHeadsConfig
+        return HydraHeads(HydraHeadsConfig(**cfg))
+    from vllm_entmtp.heads.medusa import MedusaHeads, MedusaHeadsConfig
+    return MedusaHeads(MedusaHeadsConfig(**cfg))
+
+
+def _load_trained(kind: str, path: Path, info: dict):
+    if kind == "hydra":
+        from vllm_entmtp.heads.hydra import load_hydra_heads
+        return load_hydra_heads(path, hidden_size=info["hidden_size"], vocab_size=info["vocab_size"])
+    from vllm_entmtp.heads.medusa import load_heads
+    return load_heads(path, hidden_size=info["hidden_size"], vocab_size=info["vocab_size"])
+
+
+def _adapter(heads, info: dict):
+    from vllm_entmtp.heads.hydra import HydraHeads
+    if isinstance(heads, HydraHeads):
+        return HydraAdapter(heads, info["lm_head"], info["embed"])
+    return MedusaAdapter(heads, info["lm_head"])
+
+
 # ------------------------------------------------------------------------------------------ main
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
-
-    from vllm_entmtp.heads.medusa import MedusaHeads, MedusaHeadsConfig, load_heads
 
     t_start = time.time()
     if args.threads:
@@ -299,7 +390,6 @@ def run(args: argparse.Namespace) -> int:
     if args.cache_only:
         _log(f"data cache ready in {work / 'data'}")
         return 0
-    W = info["lm_head"]
     K = args.num_heads
     train_pos = data.positions(K, args.heldout_percent, heldout=False)
     eval_all = data.positions(K, args.heldout_percent, heldout=True)
@@ -315,24 +405,39 @@ def run(args: argparse.Namespace) -> int:
     if args.eval_only:
         src = out if (out / "config.json").is_file() else None
         if src is not None:
-            heads = load_heads(src, hidden_size=info["hidden_size"], vocab_size=info["vocab_size"])
+            heads = _load_trained(args.kind, src, info)
         else:
             ck = torch.load(work / "train" / CKPT_NAME, weights_only=False)
-            heads = MedusaHeads(MedusaHeadsConfig(**ck["config"]))
+            heads = _new_heads(args.kind, ck["config"])
             heads.load_state_dict(ck["heads"])
-        ev = evaluate(heads, data, eval_pos, W)
+        ev = evaluate(_adapter(heads, info), data, eval_pos)
         print(_fmt_eval(ev), flush=True)
         print(json.dumps(ev))
         return 0
 
-    cfg = MedusaHeadsConfig(hidden_size=info["hidden_size"], vocab_size=info["vocab_size"], num_heads=K,
-                            num_hidden_layers=args.num_layers, medusa_fc_bias=True, original_lm_head=True)
-    heads = MedusaHeads(cfg)
+    if args.kind == "hydra":
+        cfg = {"hidden_size": info["hidden_size"], "vocab_size": info["vocab_size"], "hydra_num_heads": K,
+               "hydra_num_layers": args.num_layers, "grounded_heads": True, "original_lm_head": True,
+               "truncated_vocab_size": args.draft_vocab}
+    else:
+        if args.draft_vocab is not None:
+            raise SystemExit("--draft-vocab is for --kind hydra")
+        cfg = {"hidden_size": info["hidden_size"], "vocab_size": info["vocab_size"], "num_heads": K,
+               "num_hidden_layers": args.num_layers, "medusa_fc_bias": True, "original_lm_head": True}
+    heads = _new_heads(args.kind, cfg)
+    cfg = heads.config
+    if args.draft_vocab is not None:
+        vocab, coverage = draft_vocabulary(data, train_pos, args.draft_vocab)
+        heads.token_map.copy_(vocab)
+        _log(f"draft vocabulary: the {len(vocab)} most frequent target argmax tokens cover {coverage:.1%} of "
+             "the training positions")
+    adapter = _adapter(heads, info)
     opt = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     steps_per_epoch = max(1, len(train_pos) // args.batch_size)
     total = max(1, int(round(args.epochs * steps_per_epoch)))
     train_key = {k: getattr(args, k) for k in ("num_heads", "num_layers", "epochs", "lr", "weight_decay",
-                                              "warmup_steps", "batch_size", "loss", "negatives", "train_on", "seed")}
+                                              "warmup_steps", "batch_size", "loss", "negatives", "train_on", "seed",
+                                              "kind", "draft_vocab", "teacher_loss_weight")}
     train_key["train_positions"] = len(train_pos)
     train_key["data"] = f"recorded:{args.recorded}" if args.recorded else "text"
     ckpt_dir = work / "train"
@@ -367,11 +472,21 @@ def run(args: argparse.Namespace) -> int:
             gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
             for grp in opt.param_groups:
                 grp["lr"] = _lr_at(step, total, args)
-            x = data.hidden[idx].float()
             y = data.labels(idx, K)
-            mask = data.on_greedy_path(idx, K) if args.train_on == "greedy-path" else None
-            loss, per_head = head_loss(heads(x), y, W, args.loss, args.negatives, gen, hard=data.argmax[idx],
-                                       mask=mask)
+            mask = data.on_greedy_path(idx, K) if args.train_on == "greedy-path" else torch.ones_like(y, dtype=bool)
+            hard = data.argmax[idx]
+            if adapter.col_of is not None:  # draft vocabulary: labels outside it cannot be learnt
+                y = adapter.col_of[y]
+                mask = mask & (y >= 0)
+                y = y.clamp(min=0)
+                hard = adapter.col_of[hard]
+                hard = hard[hard >= 0]
+            teacher_h = None
+            if args.teacher_loss_weight > 0:
+                teacher_h = torch.stack([data.hidden[idx + k + 1] for k in range(K)]).float()
+            loss, per_head = head_loss(adapter.outputs(data, idx), y, adapter.w_cols, args.loss, args.negatives,
+                                       gen, hard=hard, mask=mask, teacher_h=teacher_h,
+                                       teacher_weight=args.teacher_loss_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -381,21 +496,24 @@ def run(args: argparse.Namespace) -> int:
             bar.update(1)
             bar.set_postfix(loss=f"{ema:.3f}", epoch=f"{step / steps_per_epoch:.2f}", refresh=False)
             if step % eval_every == 0 or step == total:
-                ev = evaluate(heads, data, quick_pos, W)
+                ev = evaluate(adapter, data, quick_pos)
                 history.append({"step": step, "loss": round(ema, 4), "quick_top1": ev["all"]["top1"]})
                 _log(f"step {step}: loss {ema:.3f}, quick held-out top-1 {ev['all']['top1']}")
             if step % args.checkpoint_every == 0 or step == total:
                 train_wall += time.time() - t_seg
                 t_seg = time.time()
                 save_ckpt()
-    _log("final held-out evaluation (full vocabulary)")
-    ev = evaluate(heads, data, eval_pos, W)
+    _log("final held-out evaluation")
+    ev = evaluate(adapter, data, eval_pos)
     print(_fmt_eval(ev), flush=True)
     cfg.entmtp = {
         "target": Path(args.model).name,
         "command": "vllm-entmtp train-heads " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["train-heads"]
                                                             else sys.argv[1:]),
-        "method": "Medusa-1 self-distillation: head k learns the target's argmax at t+k+1 from h_t",
+        "method": (f"Hydra self-distillation: head k learns the target's argmax at t+k+1 from h_t and the "
+                   f"embeddings of tokens t+1..t+k+1 (teacher loss weight {args.teacher_loss_weight})"
+                   if args.kind == "hydra" else
+                   "Medusa-1 self-distillation: head k learns the target's argmax at t+k+1 from h_t"),
         "data": ({**counts, "recorded": str(args.recorded), "heldout_percent": args.heldout_percent,
                   "text": "greedy generations of the target in vLLM (vllm_entmtp.training.record)"}
                  if args.recorded else

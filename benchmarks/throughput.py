@@ -35,6 +35,8 @@ Per level (names as in ``vllm bench serve``; times in ms, statistics over the co
   convention), ``num_accepted_tokens_per_position`` and ``acceptance_rate_per_position`` (accepted at draft
   position i / drafts). ``null`` when the server has no spec-decode counters or no ``/metrics``. The counters
   are server-wide: other clients' traffic during a level is counted too;
+* ``tree_choice_shares``: with an entmtp server, the share of drafting request-steps each tree was chosen for
+  (``none``: no draft tokens), from ``vllm:entmtp_tree_chosen``;
 * ``tree_choice``: deltas of any counter family named ``vllm_entmtp*``, ``vllm:entmtp*`` or ``entmtp*``, per
   sample name, summed per label set (``engine`` and ``model_name`` summed over), keyed ``{label="value",...}``.
 
@@ -398,6 +400,21 @@ def tree_choice_delta(before: Snapshot, after: Snapshot) -> dict:
             for name in sorted(after) if name.startswith(TREE_PREFIXES)}
 
 
+CHOSEN_FAMILY = "vllm:entmtp_tree_chosen_total"  # vllm_entmtp/metrics.py
+
+
+def tree_choice_shares(tree_choice: dict) -> dict[str, float]:
+    """Share of drafting request-steps per tree (``none``: drafted nothing), from the deltas of entmtp's
+    ``vllm:entmtp_tree_chosen`` counter; ``{}`` when the server is not entmtp."""
+    counts: dict[str, float] = {}
+    for labels, n in tree_choice.get(CHOSEN_FAMILY, {}).items():
+        tree = next((v for k, _, v in (part.partition("=") for part in labels.strip("{}").split(","))
+                     if k == "tree"), "?").strip('"')
+        counts[tree] = counts.get(tree, 0) + n
+    total = sum(counts.values())
+    return {t: n / total for t, n in sorted(counts.items())} if total else {}
+
+
 # ------------------------------------------------------------------------------------------ HTTP
 class SSEParser:
     """Server-sent events from a byte stream: :meth:`feed` returns the ``data`` payloads completed so far."""
@@ -606,6 +623,7 @@ async def run_benchmark(cfg: Config, prompts: list[list[dict]]) -> dict:
             have_metrics = before is not None and after is not None
             result["spec_decode"] = spec_decode_delta(before, after) if have_metrics else None
             result["tree_choice"] = tree_choice_delta(before, after) if have_metrics else {}
+            result["tree_choice_shares"] = tree_choice_shares(result["tree_choice"])
             levels.append(result)
     config = cfg.as_json() | {"model": model, "url": url, "num_prompts": len(prompts)}
     return {"config": config, "machine": machine_info(), "date": datetime.now(timezone.utc).isoformat(),

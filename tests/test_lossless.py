@@ -96,6 +96,19 @@ def test_trees_are_verified_through_non_first_branches(runs):
     assert runs[2]["chain"]["c8"]["tree_stats"]["tree_steps"] == 0  # chains go through vLLM's own sampler
 
 
+def test_per_tree_counters_reach_prometheus(runs):
+    """The drafter's counters (engine-core process) are exported through the front end's Prometheus registry."""
+    phase = runs[2]["tree"]["c16"]
+    stats, metrics = phase["tree_stats"], phase["entmtp_metrics"]
+    for tree, v in stats["per_tree"].items():
+        assert metrics[f"tree_verified{{{tree}}}"] == v["steps"]
+        assert metrics[f"tree_nodes_verified{{{tree}}}"] == v["nodes"]
+        assert metrics[f"tree_tokens_accepted{{{tree}}}"] == v["accepted"]
+    assert {k: v for k, v in metrics.items() if k.startswith("tree_chosen{")} == \
+        {f"tree_chosen{{{t}}}": n for t, n in stats["chosen"].items()}
+    assert metrics["kv_slots_moved"] == stats["kv_slots_moved"] > 0
+
+
 def test_stop_string_inside_an_accepted_path_ends_the_output_there(runs):
     prompts, plain, spec = runs
     ref, got = plain["stop"], spec["tree"]["stop"]

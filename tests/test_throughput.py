@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import socket
 import sys
@@ -13,18 +12,12 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
+from conftest import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_module():
-    spec = importlib.util.spec_from_file_location("throughput_bench", ROOT / "benchmarks" / "throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-tp = _load_module()
+tp = load_benchmark("throughput")
 
 LABELS = ["model_name", "engine"]  # vllm/v1/metrics/loggers.py
 

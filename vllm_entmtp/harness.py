@@ -42,6 +42,17 @@ def spec_decode_counts(llm) -> SpecDecodeCounts:
     return counts
 
 
+def entmtp_counters(llm) -> dict:
+    """entmtp's Prometheus counters (:mod:`vllm_entmtp.metrics`) as ``{"name{tree}": value}`` (``name`` without
+    the ``vllm:entmtp_`` prefix; ``{tree}`` only for labelled families)."""
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:entmtp_"):
+            tree = m.labels.get("tree")
+            out[m.name[len("vllm:entmtp_"):] + (f"{{{tree}}}" if tree is not None else "")] = int(m.value)
+    return out
+
+
 def tree_stats(llm) -> dict:
     """The entmtp tree-verification counters of the (first) worker, cumulative (``vllm_entmtp.stats``)."""
     from vllm_entmtp.stats import worker_stats
@@ -135,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 before.accepted_per_position or [0] * len(total.accepted_per_position))]))
         before = total
         r["tree_stats"] = tree_stats(llm)
+        r["entmtp_metrics"] = entmtp_counters(llm)
         results[phase["name"]] = r
     dump(results, out_path)
     return 0

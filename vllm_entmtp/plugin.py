@@ -12,6 +12,8 @@ def register() -> None:
     Raises:
         RuntimeError: the installed vLLM is not the version the patches were written for.
     """
+    from vllm_entmtp.metrics import register_collector
     from vllm_entmtp.patches import apply_all
 
     apply_all()
+    register_collector()  # per-tree counters in /metrics (vllm_entmtp.metrics)

@@ -2,8 +2,7 @@
 
 | symbol | change |
 |---|---|
-| ``MedusaProposer`` (module global the runner builds its drafter with, for method ``medusa``) | replaced by :class:`EntMTPProposer`: the project's heads, the target's lm_head, a tree (or chain) per request |
-| ``GPUModelRunner.__init__`` | gives the drafter a handle on the runner (per-request sampling params) |
+| ``GPUModelRunner.__init__`` | for entmtp, the drafter vLLM built for its inner method ``medusa`` is replaced by :class:`EntMTPProposer` (the project's Medusa or Hydra heads, the target's lm_head, a tree or chain per request), which gets a handle on the runner (per-request sampling params); vLLM's own ``medusa`` method is left alone |
 | ``GPUModelRunner._prepare_inputs`` | after vLLM built the step: tree rows get positions root + depth, and are recorded in :data:`~vllm_entmtp.patches.tree_step.STEP` for the attention override |
 | ``GPUModelRunner._sample`` | after vLLM's chain rejection sampler: tree requests are re-verified by a tree walk (greedy) or tree rejection sampling, and their accepted path's K/V is moved to consecutive cache slots |
 | ``GPUModelRunner.propose_draft_token_ids`` | for entmtp, the hidden state handed to the heads is the one of each request's last *accepted* node |
@@ -22,6 +21,7 @@ import logging
 import numpy as np
 import torch
 
+from vllm_entmtp.metrics import publish
 from vllm_entmtp.patches.tree_step import STEP, TreeRows, fix_rows_for
 from vllm_entmtp.stats import TreeStats
 from vllm_entmtp.trees import Tree
@@ -59,11 +59,11 @@ def _verified_here(tree: Tree, sp) -> bool:
 def _make_proposer_class():
     from vllm.v1.spec_decode.medusa import MedusaProposer
 
-    from vllm_entmtp.heads.medusa import load_heads
-    from vllm_entmtp.proposer import MTPDrafter
+    from vllm_entmtp.heads import load_mtp_heads
+    from vllm_entmtp.proposer import make_drafter
 
     class EntMTPProposer(MedusaProposer):
-        """vLLM drafter for ``entmtp``: the project's MTP heads, sharing the target's lm_head.
+        """vLLM drafter for ``entmtp``: the project's MTP heads (Medusa or Hydra), sharing the target's lm_head.
 
         ``propose`` returns per-request draft-token lists of varying length (0 allowed), each a tree in
         canonical order; :attr:`pending` remembers each request's tree until vLLM schedules its tokens.
@@ -74,11 +74,10 @@ def _make_proposer_class():
         def load_model(self, target_model: torch.nn.Module) -> None:
             spec = self.spec_config
             text_cfg = self.vllm_config.model_config.hf_text_config
-            heads = load_heads(spec.entmtp_heads, hidden_size=text_cfg.hidden_size,
-                               vocab_size=text_cfg.vocab_size, dtype=self.dtype, device=self.device)
+            heads = load_mtp_heads(spec.entmtp_heads, hidden_size=text_cfg.hidden_size,
+                                   vocab_size=text_cfg.vocab_size, dtype=self.dtype, device=self.device)
             self.model = heads
-            self.drafter = MTPDrafter(heads, target_model.compute_logits,
-                                      confidence_threshold=spec.entmtp.draft_confidence_threshold)
+            self.drafter = make_drafter(heads, target_model, spec.entmtp.draft_confidence_threshold)
             self.pending: dict[str, tuple[Tree, list[int]]] = {}
             self._warned: set[str] = set()
             self.tree_stats = TreeStats()
@@ -103,7 +102,8 @@ def _make_proposer_class():
                 self.static_tree = self.scheduler = self.tracker = None
             drafting = (f"trees scheduled by policy {spec.entmtp.policy!r}" if self.scheduler is not None
                         else f"a {self.static_tree.num_nodes}-node tree" if self.static_tree else "chains")
-            logger.info("entmtp: %d MTP heads from %s; drafting %s", heads.num_heads, spec.entmtp_heads, drafting)
+            logger.info("entmtp: %d %s MTP heads from %s; drafting %s", heads.num_heads, type(heads).__name__,
+                        spec.entmtp_heads, drafting)
 
         def _tree_attention_available(self) -> bool:
             from vllm.platforms import current_platform
@@ -157,7 +157,8 @@ def _make_proposer_class():
             return (tree_id if n == tree.num_nodes else f"{tree_id}@{n}"), tree.prefix(n)
 
         def propose(self, num_speculative_tokens, target_hidden_states, sampling_metadata,
-                    slot_mappings=None, active: list[bool] | None = None) -> list[list[int]]:
+                    slot_mappings=None, active: list[bool] | None = None,
+                    bonus: torch.Tensor | None = None) -> list[list[int]]:
             n = target_hidden_states.shape[0]
             req_ids = list(self.runner.input_batch.req_ids[:n]) if self.runner is not None else [""] * n
             budgets = self._request_budgets(num_speculative_tokens, req_ids)
@@ -165,9 +166,9 @@ def _make_proposer_class():
                 budgets = [b if a else 0 for b, a in zip(budgets, active)]
             if self.scheduler is None:
                 chosen = [self._tree_for(r, b) for r, b in zip(req_ids, budgets)]
-                drafts = self.drafter.propose(target_hidden_states, [t for _, t in chosen])
+                drafts = self.drafter.propose(target_hidden_states, [t for _, t in chosen], bonus)
             else:
-                chosen, drafts = self._propose_scheduled(target_hidden_states, req_ids, budgets, active)
+                chosen, drafts = self._propose_scheduled(target_hidden_states, bonus, req_ids, budgets, active)
             for req_id, (tree_id, tree), toks, live in zip(req_ids, chosen, drafts, active or [True] * n):
                 if live:
                     self.tree_stats.record_choice(tree_id if toks else None)
@@ -175,12 +176,13 @@ def _make_proposer_class():
                     self.pending[req_id] = (tree_id, tree, toks)
                 else:
                     self.pending.pop(req_id, None)
+            publish(self.tree_stats.as_dict())  # for /metrics (vllm_entmtp.metrics)
             return drafts
 
-        def _propose_scheduled(self, hidden, req_ids, budgets, active):
+        def _propose_scheduled(self, hidden, bonus, req_ids, budgets, active):
             """EntMTP: update each request's signals, let the scheduler pick its tree, draft it."""
-            logits = self.drafter.head_logits(hidden, self.model.num_heads)  # [heads, B, V]
-            top1 = self.drafter.head_top1_probs(logits).tolist()  # [B, heads]
+            top1, state = self.drafter.confidence(hidden, bonus)
+            top1 = top1.tolist()  # [B, heads]
             entropy, accepted = getattr(self.runner, "_entmtp_signals", (None, None))
             for i, rid in enumerate(req_ids):
                 if active is not None and not active[i]:
@@ -190,7 +192,7 @@ def _make_proposer_class():
             choices = self.scheduler.choose(req_ids, self.tracker.signals_batch(req_ids),
                                             self.scheduler.node_budget(len(req_ids)))
             chosen = [self._tree_for(r, b, c) for r, b, c in zip(req_ids, budgets, choices)]
-            return chosen, self.drafter.draft(logits, [t for _, t in chosen])
+            return chosen, self.drafter.propose(hidden, [t for _, t in chosen], bonus, state)
 
         def free_missing(self, live_req_ids) -> None:
             """Drop the state of every request vLLM no longer holds (finished, aborted). Called each step, as a
@@ -208,8 +210,9 @@ def _make_proposer_class():
 
         @torch.inference_mode()
         def dummy_run(self, num_tokens: int) -> None:
-            hidden = torch.zeros((min(num_tokens, 8), self.hidden_size), dtype=self.dtype, device=self.device)
-            self.drafter.head_logits(hidden, self.model.num_heads)
+            n = min(num_tokens, 8)
+            hidden = torch.zeros((n, self.hidden_size), dtype=self.dtype, device=self.device)
+            self.drafter.confidence(hidden, torch.zeros(n, dtype=torch.long, device=self.device))
 
     return EntMTPProposer
 
@@ -324,7 +327,6 @@ def apply() -> None:
     if getattr(gmr, "_entmtp_patched", False):
         return
     proposer_cls = _make_proposer_class()
-    gmr.MedusaProposer = proposer_cls
     register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend")
     R = gmr.GPUModelRunner
     orig_init, orig_prepare, orig_sample, orig_propose = (
@@ -332,7 +334,9 @@ def apply() -> None:
 
     def __init__(self, *args, **kwargs):
         orig_init(self, *args, **kwargs)
-        if isinstance(getattr(self, "drafter", None), proposer_cls):
+        spec = getattr(self, "speculative_config", None)
+        if isinstance(getattr(self, "drafter", None), gmr.MedusaProposer) and getattr(spec, "entmtp", None):
+            self.drafter = proposer_cls(vllm_config=self.vllm_config, device=self.device)
             self.drafter.runner = self
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
@@ -368,10 +372,13 @@ def apply() -> None:
                 off += num_draft + 1
             hidden = sample_hidden_states[torch.tensor(idx, device=sample_hidden_states.device)]
         active = [len(t) > 0 for t in sampled_token_ids]  # no drafts for prefill chunks
+        # the token the target chose after the hidden state's position (Hydra heads read it)
+        bonus = torch.tensor([int(t[-1]) if len(t) else 0 for t in sampled_token_ids], dtype=torch.long,
+                             device=hidden.device)
         if self.drafter.recorder is not None:
             self.drafter.recorder.add(list(self.input_batch.req_ids[:n]), hidden, sampled_token_ids)
         return self.drafter.propose(scheduler_output.num_spec_tokens_to_schedule, hidden, sampling_metadata,
-                                    active=active)
+                                    active=active, bonus=bonus)
 
     R.__init__ = __init__
     R._prepare_inputs = _prepare_inputs

@@ -1,0 +1,51 @@
+"""Per-tree counters: published by the drafter's process, summed and exported by a Prometheus collector, and
+read back by benchmarks/throughput.py as tree-choice shares."""
+import json
+import os
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from conftest import load_benchmark
+from vllm_entmtp.metrics import EntMTPCollector, publish, read_all
+from vllm_entmtp.stats import TreeStats
+
+def _stats():
+    s = TreeStats()
+    for tree, nodes, path, ranks in [("mc6", 6, [1, 4], [0, 1, 2, 0, 1, 0]), ("mc6", 6, [2], [0, 1, 2, 0, 1, 0]),
+                                     ("chain2", 2, [1, 2], [0, 0])]:
+        s.record_choice(tree)
+        s.record(tree, nodes, path, ranks)
+    s.record_choice(None)
+    return s
+
+
+def test_collector_sums_every_process_file(tmp_path):
+    s = _stats()
+    publish(s.as_dict(), tmp_path)
+    assert (tmp_path / f"{os.getpid()}.json").is_file()
+    (tmp_path / "99999.json").write_text(json.dumps(s.as_dict()))  # a second engine process
+    (tmp_path / "12345.json").write_text("{half-writ")  # never read: files are replaced atomically
+    total = read_all(tmp_path)
+    assert total["per_tree"]["mc6"] == {"steps": 4, "nodes": 24, "accepted": 6}
+    assert total["chosen"] == {"mc6": 4, "chain2": 2, "none": 2}
+    assert total["non_first_branch_paths"] == 2 * 1 and total["kv_slots_moved"] == 2 * 2
+
+    registry = CollectorRegistry()
+    registry.register(EntMTPCollector(tmp_path))
+    text = generate_latest(registry).decode()
+    assert 'vllm:entmtp_tree_tokens_accepted_total{tree="mc6"} 6.0' in text
+    assert 'vllm:entmtp_tree_chosen_total{tree="none"} 2.0' in text
+
+
+def test_throughput_benchmark_reads_the_choice_shares(tmp_path):
+    tp = load_benchmark("throughput")
+    registry = CollectorRegistry()
+    registry.register(EntMTPCollector(tmp_path))
+    publish(TreeStats().as_dict(), tmp_path)
+    before = tp.parse_metrics(generate_latest(registry).decode())
+    publish(_stats().as_dict(), tmp_path)
+    after = tp.parse_metrics(generate_latest(registry).decode())
+    delta = tp.tree_choice_delta(before, after)
+    assert delta["vllm:entmtp_tree_chosen_total"] == {'{tree="chain2"}': 1, '{tree="mc6"}': 2, '{tree="none"}': 1}
+    assert delta["vllm:entmtp_tree_tokens_accepted_total"] == {'{tree="chain2"}': 2, '{tree="mc6"}': 3}
+    assert tp.tree_choice_shares(delta) == {"chain2": 0.25, "mc6": 0.5, "none": 0.25}

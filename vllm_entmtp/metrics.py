@@ -1,0 +1,123 @@
+"""entmtp's per-tree counters in vLLM's Prometheus ``/metrics``.
+
+The counters live in the drafter (:class:`~vllm_entmtp.stats.TreeStats`), inside the engine-core process, while
+``/metrics`` is served by the API-server process from its own registry. So the drafter publishes its counters
+after every step to a small JSON file (``<dir>/<pid>.json``, written atomically) in a folder that the first
+process to load the plugin creates and hands to its child processes through ``$VLLM_ENTMTP_STATS_DIR``; a
+collector registered in every process's default Prometheus registry sums the files at scrape time.
+
+Families (counters; Prometheus appends ``_total``), label ``tree`` = tree id (a capped tree is ``id@n``, a chain
+``chainN``, ``none`` = the request drafted nothing):
+
+========================================  =========================================================================
+``vllm:entmtp_tree_chosen``               request-steps for which the tree was chosen (all drafting steps)
+``vllm:entmtp_tree_verified``             request-steps verified by entmtp's tree walk (greedy chains are verified
+                                          by vLLM and counted in its ``vllm:spec_decode_*`` metrics only)
+``vllm:entmtp_tree_nodes_verified``       draft nodes in those trees
+``vllm:entmtp_tree_tokens_accepted``      accepted draft tokens in those trees (bonus token excluded)
+``vllm:entmtp_non_first_branch_paths``    accepted paths that left the top-1 chain
+``vllm:entmtp_kv_slots_moved``            accepted nodes whose K/V was moved to consecutive cache slots
+========================================  =========================================================================
+
+Limits: with ``PROMETHEUS_MULTIPROC_DIR`` (several API-server processes) vLLM serves a fresh registry and these
+families are absent; with tensor parallelism every worker publishes the same counts (they would be summed).
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+STATS_DIR_ENV = "VLLM_ENTMTP_STATS_DIR"
+_collector = None
+
+
+def ensure_stats_dir() -> Path:
+    """The folder the drafters publish to; created (and removed at exit) by the first process that asks, and
+    passed to child processes through ``$VLLM_ENTMTP_STATS_DIR``."""
+    path = os.environ.get(STATS_DIR_ENV)
+    if path:
+        return Path(path)
+    path = tempfile.mkdtemp(prefix="vllm-entmtp-stats-")
+    os.environ[STATS_DIR_ENV] = path
+    atexit.register(shutil.rmtree, path, True)
+    return Path(path)
+
+
+def publish(stats: dict, directory: str | Path | None = None) -> None:
+    """Write this process's counters (``TreeStats.as_dict()``) to ``<dir>/<pid>.json``, atomically."""
+    directory = Path(directory or os.environ.get(STATS_DIR_ENV) or ensure_stats_dir())
+    tmp = directory / f".{os.getpid()}.json.tmp"
+    try:
+        tmp.write_text(json.dumps(stats))
+        os.replace(tmp, directory / f"{os.getpid()}.json")
+    except OSError:  # the folder went away (server shutting down): metrics are best effort
+        pass
+
+
+def read_all(directory: str | Path) -> dict:
+    """Sum of every published counter file in ``directory`` (unreadable or half-written files are skipped)."""
+    total = {"chosen": {}, "per_tree": {}, "non_first_branch_paths": 0, "kv_slots_moved": 0}
+    for f in Path(directory).glob("*.json"):
+        try:
+            d = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        for tree, n in d.get("chosen", {}).items():
+            total["chosen"][tree] = total["chosen"].get(tree, 0) + n
+        for tree, v in d.get("per_tree", {}).items():
+            acc = total["per_tree"].setdefault(tree, {"steps": 0, "nodes": 0, "accepted": 0})
+            for k in acc:
+                acc[k] += v.get(k, 0)
+        for k in ("non_first_branch_paths", "kv_slots_moved"):
+            total[k] += d.get(k, 0)
+    return total
+
+
+class EntMTPCollector:
+    """Prometheus collector of the counters published in ``directory`` (``$VLLM_ENTMTP_STATS_DIR``)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        t = read_all(self.directory)
+        fams = {
+            "chosen": CounterMetricFamily("vllm:entmtp_tree_chosen", "Request-steps for which entmtp chose this "
+                                          "tree ('none': no draft tokens).", labels=["tree"]),
+            "steps": CounterMetricFamily("vllm:entmtp_tree_verified", "Request-steps verified as this tree by "
+                                         "entmtp's tree walk.", labels=["tree"]),
+            "nodes": CounterMetricFamily("vllm:entmtp_tree_nodes_verified", "Draft nodes verified in this tree.",
+                                         labels=["tree"]),
+            "accepted": CounterMetricFamily("vllm:entmtp_tree_tokens_accepted", "Accepted draft tokens in this "
+                                            "tree (bonus token excluded).", labels=["tree"]),
+        }
+        for tree, n in sorted(t["chosen"].items()):
+            fams["chosen"].add_metric([tree], n)
+        for tree, v in sorted(t["per_tree"].items()):
+            for k in ("steps", "nodes", "accepted"):
+                fams[k].add_metric([tree], v[k])
+        yield from fams.values()
+        yield CounterMetricFamily("vllm:entmtp_non_first_branch_paths", "Accepted tree paths that left the top-1 "
+                                  "chain.", value=t["non_first_branch_paths"])
+        yield CounterMetricFamily("vllm:entmtp_kv_slots_moved", "Accepted nodes whose K/V entmtp moved to "
+                                  "consecutive cache slots.", value=t["kv_slots_moved"])
+
+
+def register_collector() -> None:
+    """Create the stats folder (if this is the first process) and add the collector to the default Prometheus
+    registry of this process, once."""
+    global _collector
+    if _collector is not None:
+        return
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:  # no prometheus_client: no metrics to export to
+        return
+    _collector = EntMTPCollector(ensure_stats_dir())
+    REGISTRY.register(_collector)

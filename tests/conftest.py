@@ -17,12 +17,21 @@ def default_model() -> str:
 
 
 @pytest.fixture(scope="session")
-def default_heads() -> str:
+def shipped_heads() -> dict:
+    """``{kind: checkpoint folder}`` of the heads the repository ships for the default model."""
     from vllm_entmtp.models import default_heads
 
-    heads = default_heads()
+    heads = {k: str(v) for k, v in default_heads().items()}
     assert "medusa" in heads, "the repository ships Medusa heads for the default model"
-    return str(heads["medusa"])
+    return heads
+
+
+@pytest.fixture(scope="session")
+def default_heads(default_model, shipped_heads) -> str:
+    """The heads ``{"method": "entmtp"}`` uses for the default model (the preferred shipped kind)."""
+    from vllm_entmtp.models import find_registered_heads
+
+    return str(find_registered_heads(default_model))
 
 
 @pytest.fixture(scope="session")

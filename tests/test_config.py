@@ -39,10 +39,10 @@ def test_register_is_idempotent(spec_cls):
 
 def test_defaults_use_registered_heads(spec_cls, target_model_config, default_heads):
     sc = _make(spec_cls, target_model_config, method="entmtp")
-    from vllm_entmtp.heads.medusa import read_heads_config
+    from vllm_entmtp.heads.formats import read_any_heads_config
 
     assert sc.entmtp_heads == default_heads and sc.model == default_heads
-    assert sc.num_speculative_tokens == read_heads_config(default_heads).num_heads
+    assert sc.num_speculative_tokens == read_any_heads_config(default_heads).num_heads
     assert sc.entmtp.draft_confidence_threshold == 0.0
     assert sc.method == "medusa"  # entmtp runs on vLLM's medusa plumbing (vllm_entmtp/patches/config.py)
 
@@ -145,3 +145,11 @@ def test_scheduled_policy_needs_a_tree_set(spec_cls, target_model_config, tmp_pa
     make_heads(tmp_path, num_heads=4)
     with pytest.raises(ValueError, match=r"policy.*tree_set"):
         _make(spec_cls, target_model_config, method="entmtp", model=str(tmp_path), policy="entropy")
+
+
+def test_vllm_own_medusa_method_is_left_alone(spec_cls, target_model_config, shipped_heads):
+    """With the plugin installed, vLLM's built-in medusa (a baseline) configures as without it."""
+    sc = _make(spec_cls, target_model_config, method="medusa", model=shipped_heads["medusa"],
+               num_speculative_tokens=2)
+    assert sc.method == "medusa" and sc.num_speculative_tokens == 2
+    assert getattr(sc, "entmtp", None) is None  # so the runner patch keeps vLLM's MedusaProposer

@@ -23,15 +23,19 @@ def test_collector_sums_every_process_file(tmp_path):
     s = _stats()
     publish(s.as_dict(), tmp_path)
     assert (tmp_path / f"{os.getpid()}.json").is_file()
-    (tmp_path / "99999.json").write_text(json.dumps(s.as_dict()))  # a second engine process
+    ppid = os.getppid()
+    (tmp_path / "99999.json").write_text(json.dumps({**s.as_dict(), "parent_pid": ppid}))  # a 2nd engine
+    (tmp_path / "99998.json").write_text(json.dumps({**s.as_dict(), "parent_pid": ppid + 1}))  # another front end's
     (tmp_path / "12345.json").write_text("{half-writ")  # never read: files are replaced atomically
-    total = read_all(tmp_path)
+    assert read_all(tmp_path, ppid + 1)["per_tree"]["mc6"]["steps"] == 2
+    assert read_all(tmp_path)["per_tree"]["mc6"]["steps"] == 6
+    total = read_all(tmp_path, ppid)
     assert total["per_tree"]["mc6"] == {"steps": 4, "nodes": 24, "accepted": 6}
     assert total["chosen"] == {"mc6": 4, "chain2": 2, "none": 2}
     assert total["non_first_branch_paths"] == 2 * 1 and total["kv_slots_moved"] == 2 * 2
 
     registry = CollectorRegistry()
-    registry.register(EntMTPCollector(tmp_path))
+    registry.register(EntMTPCollector(tmp_path, parent_pid=ppid))
     text = generate_latest(registry).decode()
     assert 'vllm:entmtp_tree_tokens_accepted_total{tree="mc6"} 6.0' in text
     assert 'vllm:entmtp_tree_chosen_total{tree="none"} 2.0' in text

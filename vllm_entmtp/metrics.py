@@ -2,9 +2,11 @@
 
 The counters live in the drafter (:class:`~vllm_entmtp.stats.TreeStats`), inside the engine-core process, while
 ``/metrics`` is served by the API-server process from its own registry. So the drafter publishes its counters
-after every step to a small JSON file (``<dir>/<pid>.json``, written atomically) in a folder that the first
-process to load the plugin creates and hands to its child processes through ``$VLLM_ENTMTP_STATS_DIR``; a
-collector registered in every process's default Prometheus registry sums the files at scrape time.
+after every step to a small JSON file (``<dir>/<pid>.json``, written atomically, with the writer's parent pid)
+in a folder that the first process to load the plugin creates and hands to its child processes through
+``$VLLM_ENTMTP_STATS_DIR``; a collector registered in every process's default Prometheus registry sums, at
+scrape time, the files written by its own child processes (the engine cores it started), so that several
+front ends sharing one folder (e.g. test runs) never count each other's engines.
 
 Families (counters; Prometheus appends ``_total``), label ``tree`` = tree id (a capped tree is ``id@n``, a chain
 ``chainN``, ``none`` = the request drafted nothing):
@@ -20,7 +22,8 @@ Families (counters; Prometheus appends ``_total``), label ``tree`` = tree id (a 
 ========================================  =========================================================================
 
 Limits: with ``PROMETHEUS_MULTIPROC_DIR`` (several API-server processes) vLLM serves a fresh registry and these
-families are absent; with tensor parallelism every worker publishes the same counts (they would be summed).
+families are absent; drafters in worker processes that are not direct children of the front end (vLLM's
+multiprocess executor, tensor parallelism) are not counted.
 """
 from __future__ import annotations
 
@@ -48,23 +51,27 @@ def ensure_stats_dir() -> Path:
 
 
 def publish(stats: dict, directory: str | Path | None = None) -> None:
-    """Write this process's counters (``TreeStats.as_dict()``) to ``<dir>/<pid>.json``, atomically."""
+    """Write this process's counters (``TreeStats.as_dict()``) to ``<dir>/<pid>.json``, atomically, tagged
+    with this process's parent pid (the front end that reads them)."""
     directory = Path(directory or os.environ.get(STATS_DIR_ENV) or ensure_stats_dir())
     tmp = directory / f".{os.getpid()}.json.tmp"
     try:
-        tmp.write_text(json.dumps(stats))
+        tmp.write_text(json.dumps({**stats, "parent_pid": os.getppid()}))
         os.replace(tmp, directory / f"{os.getpid()}.json")
     except OSError:  # the folder went away (server shutting down): metrics are best effort
         pass
 
 
-def read_all(directory: str | Path) -> dict:
-    """Sum of every published counter file in ``directory`` (unreadable or half-written files are skipped)."""
+def read_all(directory: str | Path, parent_pid: int | None = None) -> dict:
+    """Sum of the counter files in ``directory`` written by children of ``parent_pid`` (None: all files);
+    unreadable files are skipped."""
     total = {"chosen": {}, "per_tree": {}, "non_first_branch_paths": 0, "kv_slots_moved": 0}
     for f in Path(directory).glob("*.json"):
         try:
             d = json.loads(f.read_text())
         except (OSError, json.JSONDecodeError):
+            continue
+        if parent_pid is not None and d.get("parent_pid") != parent_pid:
             continue
         for tree, n in d.get("chosen", {}).items():
             total["chosen"][tree] = total["chosen"].get(tree, 0) + n
@@ -78,15 +85,17 @@ def read_all(directory: str | Path) -> dict:
 
 
 class EntMTPCollector:
-    """Prometheus collector of the counters published in ``directory`` (``$VLLM_ENTMTP_STATS_DIR``)."""
+    """Prometheus collector of the counters published in ``directory`` (``$VLLM_ENTMTP_STATS_DIR``) by the
+    children of process ``parent_pid`` (None: by any process)."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, parent_pid: int | None = None):
         self.directory = Path(directory)
+        self.parent_pid = parent_pid
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily
 
-        t = read_all(self.directory)
+        t = read_all(self.directory, self.parent_pid)
         fams = {
             "chosen": CounterMetricFamily("vllm:entmtp_tree_chosen", "Request-steps for which entmtp chose this "
                                           "tree ('none': no draft tokens).", labels=["tree"]),
@@ -119,5 +128,5 @@ def register_collector() -> None:
         from prometheus_client import REGISTRY
     except ImportError:  # no prometheus_client: no metrics to export to
         return
-    _collector = EntMTPCollector(ensure_stats_dir())
+    _collector = EntMTPCollector(ensure_stats_dir(), parent_pid=os.getpid())
     REGISTRY.register(_collector)

@@ -127,12 +127,16 @@ def default_heads() -> dict[str, Path]:
     return dict(_registry()[0].heads)
 
 
-def find_registered_heads(model: str, hf_config: object | None = None, kind: str = "medusa") -> Path | None:
+#: Which registered heads ``{"method": "entmtp"}`` uses when several kinds are shipped: the first present.
+PREFERRED_KINDS = ("hydra", "medusa")
+
+
+def find_registered_heads(model: str, hf_config: object | None = None, kind: str | None = None) -> Path | None:
     """Heads registered for target ``model`` (hub id or local folder), or None.
 
     A registry entry matches when the folder name or hub id of ``model`` is one of its names, or, for a local
     folder with another name, when ``hf_config`` agrees with the entry's fingerprint (hidden size, vocabulary,
-    layers, ...).
+    layers, ...). ``kind`` None: the first of :data:`PREFERRED_KINDS` the entry ships.
     """
     name = str(model).rstrip("/").lower()
     base = name.rsplit("/", 1)[-1]
@@ -140,6 +144,9 @@ def find_registered_heads(model: str, hf_config: object | None = None, kind: str
         by_name = name in entry.names or base in entry.names
         by_shape = hf_config is not None and all(
             getattr(hf_config, k, None) == v for k, v in entry.fingerprint.items())
-        if (by_name or by_shape) and kind in entry.heads:
-            return entry.heads[kind]
+        if not (by_name or by_shape):
+            continue
+        for k in ([kind] if kind is not None else PREFERRED_KINDS):
+            if k in entry.heads:
+                return entry.heads[k]
     return None

@@ -160,11 +160,12 @@ class HydraHeads(nn.Module):
         """Draft-vocabulary columns (any integer shape) -> target token ids."""
         return self.token_map[columns] if self.token_map is not None else columns
 
-    def save(self, path: str | Path) -> None:
-        """Write ``config.json`` and ``model.safetensors`` (float32; ``token_map`` int64) into ``path``."""
+    def save(self, path: str | Path, dtype: torch.dtype = torch.float32) -> None:
+        """Write ``config.json`` and ``model.safetensors`` (weights in ``dtype``, float32 by default; the shipped
+        heads use float16 to stay small; ``token_map`` int64) into ``path``."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state = {k: (v.detach().float() if v.is_floating_point() else v.detach()).contiguous()
+        state = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous()
                  for k, v in self.state_dict().items()}
         save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
         (path / CONFIG_NAME).write_text(json.dumps(self.config.model_dump(), indent=2) + "\n")

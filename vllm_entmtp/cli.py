@@ -13,6 +13,7 @@ COMMANDS = {
     "prepare": ("vllm_entmtp.prepare", "make the default target model and its heads ready offline; print paths"),
     "train-heads": ("vllm_entmtp.training.train", "train MTP heads for a target model (self-distillation)"),
     "convert-heads": ("vllm_entmtp.heads.convert", "convert MTP heads between checkpoint layouts"),
+    "build-trees": ("vllm_entmtp.calibrate", "measure head accuracy per entropy bin and build a scheduled tree set"),
 }
 
 

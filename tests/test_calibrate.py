@@ -1,0 +1,242 @@
+"""``vllm-entmtp build-trees`` (vllm_entmtp/calibrate.py): acceptance formula, greedy trees, Pareto choice, bins,
+the tree-set file it writes, and one end-to-end run on a tiny random model."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from conftest import make_heads
+
+from vllm_entmtp import calibrate as C
+from vllm_entmtp.cli import main as cli_main
+from vllm_entmtp.config import EntMTPConfig
+from vllm_entmtp.scheduler import TreeScheduler
+from vllm_entmtp.trees import Tree, load_tree_set
+
+P3 = [[0.5, 0.25], [0.4, 0.1], [0.5, 0.0]]  # 3 heads, top-2
+
+
+def _walk_expectation(paths, P):
+    """E[accepted nodes] by enumerating every outcome (the right rank per depth, or a miss) with its
+    probability and walking the tree from the root: the definition the formula must agree with."""
+    nodes = {tuple(p) for p in paths}
+    width = len(P[0])
+    total = 0.0
+    for outcome in itertools.product(range(width + 1), repeat=len(P)):  # rank == width: miss
+        prob = math.prod(P[d][r] if r < width else 1 - sum(P[d]) for d, r in enumerate(outcome))
+        n = 0
+        while n < len(P) and outcome[:n + 1] in nodes:
+            n += 1
+        total += prob * n
+    return total
+
+
+def test_expected_acceptance_on_a_hand_made_table():
+    tree = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+    # 0.5 + 0.25 + 0.5*0.4 + 0.5*0.1 + 0.25*0.4 + 0.5*0.4*0.5
+    assert C.expected_accepted(tree, P3) == pytest.approx(1.2, abs=1e-12)
+    assert C.expected_accepted([[0], [0, 0], [0, 0, 0]], P3) == pytest.approx(0.8, abs=1e-12)
+    assert C.node_probability((0, 1), P3) == pytest.approx(0.05, abs=1e-12)
+    assert C.node_probability((2,), P3) == 0.0  # rank past the table: a miss
+    assert C.node_probability((0, 0, 0, 0), P3) == 0.0  # deeper than the heads
+    assert C.expected_accepted([[0, 1, 0], [0], [0, 1]], P3) == pytest.approx(0.575, abs=1e-12)  # any order
+    for paths in (tree, [[0]], [[1], [0], [1, 1], [1, 0, 0], [1, 0]]):
+        assert C.expected_accepted(paths, P3) == pytest.approx(_walk_expectation(paths, P3), abs=1e-12)
+
+
+def test_greedy_tree_known_result_and_properties():
+    P = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.0]]
+    got = C.greedy_tree(P, 8)
+    assert [p for p, _ in got] == [(0,), (0, 0), (1,), (0, 1), (2,), (1, 0), (2, 0), (1, 1)]
+    assert [v for _, v in got] == pytest.approx([0.6, 0.3, 0.2, 0.12, 0.1, 0.1, 0.05, 0.04])
+    # (2,) and (1, 0) tie at 0.1: the shorter path first; zero-probability nodes last, in canonical order,
+    # until the 3 + 3 * 3 nodes of the [depth][rank] grid are used up
+    assert [p for p, _ in C.greedy_tree(P, 20)][8:] == [(2, 1), (0, 2), (1, 2), (2, 2)]
+    # the left-sibling rule: rank 1 is worth more than rank 0, but only enters after it
+    assert [p for p, _ in C.greedy_tree([[0.1, 0.5], [0.9, 0.0]], 3)] == [(0,), (1,), (1, 0)]
+    # depth limit and the end of the [depth][rank] grid
+    assert all(len(p) == 1 for p, _ in C.greedy_tree(P, 3, max_depth=1))
+    assert len(C.greedy_tree([[0.5]], 5)) == 1
+    assert len(C.greedy_tree([[0.5], [0.5]], 5)) == 2
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        table = torch.rand(4, 5, generator=g)
+        table = (table / table.sum(1, keepdim=True) * 0.9).tolist()
+        full = C.greedy_tree(table, 30, max_depth=3)
+        for n in range(1, 31):
+            prefix = [p for p, _ in full[:n]]
+            assert [p for p, _ in C.greedy_tree(table, n, max_depth=3)] == prefix  # nested
+            Tree(prefix, max_depth=3)  # a valid tree: parents present
+            assert all(p[:-1] + (p[-1] - 1,) in prefix for p in prefix if p[-1] > 0)  # left siblings present
+        for p, v in full:
+            assert v == pytest.approx(C.node_probability(p, table))
+    with pytest.raises(ValueError, match="max_nodes"):
+        C.greedy_tree(P, 0)
+    with pytest.raises(ValueError, match="equally long"):
+        C.greedy_tree([[0.5, 0.1], [0.5]], 2)
+
+
+def test_pareto_frontier_and_best_ratio():
+    pts = [(1.0, 1.0), (1.2, 1.5), (1.1, 1.0), (1.5, 1.4), (2.0, 2.0), (2.0, 2.0), (1.2, 1.3), (3.0, 2.0)]
+    assert C.pareto_frontier(pts) == [0, 1, 4]  # (1.1, 1.0), (1.5, 1.4), (1.2, 1.3), (3, 2) dominated
+    assert C.best_ratio(pts) == 1  # 1.5 / 1.2 = 1.25
+    assert C.best_ratio([(1.0, 1.0), (1.3, 1.2)]) == 0  # nothing beats not drafting
+    assert C.best_ratio([(2.0, 2.5), (1.0, 1.25)]) == 1  # equal ratio: the cheaper
+    with pytest.raises(ValueError, match="cost"):
+        C.best_ratio([(0.0, 1.0)])
+
+
+def test_bins_and_rank_tables():
+    ent = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    ranks = torch.tensor([[0, 0], [1, 9], [0, -1], [0, 1], [3, 0], [2, -1]], dtype=torch.int16)
+    assert C.quantile_edges(ent, 2) == [0.35]
+    assert C.quantile_edges(torch.zeros(10), 3) == []  # edges <= 0 dropped
+    assert C.quantile_edges(ent, 1) == []
+    bins = C.bin_statistics(ent, ranks, [0.3], max_rank=2)  # 0.3 lies on the edge: upper bin
+    assert [b.positions for b in bins] == [2, 4]
+    assert bins[0].P == [[0.5, 0.5], [0.5, 0.0]]  # head 1: ranks 0 and 9 (a miss)
+    assert bins[1].P == [[0.5, 0.0], [0.5, 0.5]]  # head 0: 0, 0, 3, 2; head 1: 0 and 1 (two unlabelled)
+    assert bins[1].labels_per_depth == [4, 2]
+    assert bins[0].mean_entropy == pytest.approx(0.15) and bins[1].hi == math.inf
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 1.0, 1.0, 0.0]])
+    assert C.true_token_ranks(logits, torch.tensor([3, -1]), cap=8).tolist() == [1, 8]
+    assert C.true_token_ranks(logits, torch.tensor([0, 2]), cap=1).tolist() == [1, 1]
+
+
+def _choice(index, lo, hi, P, costs):
+    stats = C.BinStats(index, lo, hi, 10, (lo + min(hi, 3.0)) / 2, [10] * len(P), P)
+    cands = C.candidates_for_bin(stats, [1, 2, 4], len(P))
+    for c in cands:
+        c.verify_cost, c.draft_cost = costs[c.num_nodes], 0.05
+    return C.choose(stats, cands)
+
+
+def test_tree_set_file_loads_and_schedules(tmp_path):
+    costs = {1: 1.05, 2: 1.1, 4: 1.12}
+    good, bad = [[0.9, 0.05], [0.8, 0.1]], [[0.05, 0.01], [0.0, 0.0]]
+    choices = [_choice(0, 0.0, 0.2, good, costs), _choice(1, 0.2, 0.9, good, costs),
+               _choice(2, 0.9, math.inf, bad, costs)]
+    assert choices[0].chosen.num_nodes == 4 and choices[2].chosen is None
+    keys = {c.key for b in choices for c in b.candidates}
+    times = {"verify": {n: 10.0 * x for n, x in costs.items()}, "draft": {k: 0.5 for k in keys}}
+    obj, bin_ids = C.build_tree_set(choices, name="t", heads_kind="medusa", num_heads=2, times_ms=times,
+                                    calibration={"prompts": "hand", "positions": 30}, hysteresis=0.1)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(obj))
+    ts = load_tree_set(str(path), num_heads=2)
+    # bins 0 and 1 chose the same tree: merged, one threshold left; in bin 2 no tree beats plain decoding, so it
+    # drafts the tree of best speed-up (< 1), the 1-node one, stored once under bin 0's id
+    assert choices[2].scheduled.num_nodes == 1 and choices[2].scheduled.speedup < 1
+    assert ts.schedule.tree_ids == ("b0n4", "b0n1") and ts.schedule.thresholds == (0.9,)
+    assert bin_ids == ["b0n4", "b0n4", "b0n1"] and ts.schedule.hysteresis == 0.1
+    assert ts.get("b0n1") == Tree([[0]]) and ts.get("b0n4") == Tree([[0], [1], [0, 0], [0, 1]])
+    md = ts.metadata["b0n4"]
+    assert md["expected_tokens_per_step_per_bin"][0] == pytest.approx(1 + 0.9 + 0.05 + 0.72 + 0.09, abs=1e-4)
+    assert md["cost"]["total"] == pytest.approx(1.17) and md["chosen_in_bins"] == [0, 1]
+    assert "calibration" in ts.metadata[ts.ids[0]] and "no drafting would be better" in ts.description
+    sched = TreeScheduler.from_config(EntMTPConfig(policy="entropy", tree_set=str(path)), ts)
+    assert sched.ladder_ids == ["b0n4", "b0n1"] and sched.bin_of(0.5) == 0 and sched.bin_of(1.0) == 1
+    table = C.summary_table(choices, bin_ids)
+    assert "b0n1*" in table and "bonus" in table
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A random 2-layer Llama (hidden 32) with the SmolLM2 tokenizer and chat template. Its embeddings are
+    scaled up so that its greedy continuation is confident (it repeats a token, which near-identity heads then
+    predict: the statistics have hits, the trees more than one node)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vllm_entmtp.models import default_model_dir
+
+    src = default_model_dir()
+    if not (src / "tokenizer.json").is_file():
+        pytest.skip("the default model is not prepared (run `vllm-entmtp prepare`)")
+    out = tmp_path_factory.mktemp("tiny-llama")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / name).is_file():
+            shutil.copy(src / name, out / name)
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         tie_word_embeddings=True, max_position_embeddings=256))
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(30.0)
+    model.save_pretrained(out)
+    return out, vocab
+
+
+def _hydra_heads(path, vocab):
+    from vllm_entmtp.heads.hydra import HydraHeads, HydraHeadsConfig
+
+    torch.manual_seed(2)
+    heads = HydraHeads(HydraHeadsConfig(hidden_size=32, vocab_size=vocab, hydra_num_heads=3,
+                                        truncated_vocab_size=4000))
+    for name, p in heads.named_parameters():
+        if "linear" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    heads.token_map.copy_(torch.arange(4000).flip(0))  # draft column j is token 3999 - j
+    heads.save(path)
+
+
+def _build(tmp_path, model, heads, *extra):
+    out = tmp_path / "calib" / "set.json"
+    argv = ["build-trees", "--model", str(model), "--heads", str(heads), "--out", str(out), "--num-prompts", "3",
+            "--max-tokens", "8", "--cost-context", "16", "--cost-repeats", "1", "--node-budgets", "1,2,4,6",
+            "--entropy-bins", "2", *extra]
+    return cli_main(argv), out
+
+
+def test_build_trees_end_to_end(tiny_model, tmp_path, capsys):
+    model, vocab = tiny_model
+    make_heads(tmp_path / "medusa", hidden_size=32, vocab_size=vocab, num_heads=3)
+    rc, out = _build(tmp_path, model, tmp_path / "medusa", "--prompt-set", "humaneval")
+    assert rc == 0
+    ts = load_tree_set(str(out), num_heads=3)
+    assert ts.heads_kind == "medusa" and ts.schedule.signal == "entropy"
+    TreeScheduler.from_config(EntMTPConfig(policy="entropy", tree_set=str(out)), ts)
+    cal = ts.metadata[ts.ids[0]]["calibration"]
+    assert cal["num_prompts"] == 3 and cal["positions"] > 0 and len(cal["bins"][0]["P"]) == 3
+    assert set(cal["cost"]["verify_ms"]) >= {"0", "1"}
+    assert out.with_suffix(".png").stat().st_size > 0
+    caches = list(out.parent.glob("set.stats-*.pt"))
+    assert len(caches) == 1
+    printed = capsys.readouterr()
+    assert "speed-up" in printed.out and "bonus" in printed.out
+    # a rerun with other budgets and bins reads the statistics from the cache
+    rc, _ = _build(tmp_path, model, tmp_path / "medusa", "--prompt-set", "humaneval", "--node-budgets", "1,3",
+                   "--entropy-edges", "0.5", "--max-rank", "4")
+    assert rc == 0 and "3 prompt(s) done" in capsys.readouterr().err
+    assert load_tree_set(str(out)).metadata[load_tree_set(str(out)).ids[0]]["calibration"]["max_rank"] == 4
+
+    # Hydra heads with a truncated draft vocabulary, prompts from a JSONL file
+    _hydra_heads(tmp_path / "hydra", vocab)
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "def add(a, b):"}\n\n{"messages": [{"role": "user", "content": "Hi"}]}\n')
+    rc, out = _build(tmp_path, model, tmp_path / "hydra", "--jsonl", str(jsonl), "--name", "hy")
+    assert rc == 0
+    ts = load_tree_set(str(out), num_heads=3)
+    assert ts.heads_kind == "hydra" and ts.name == "hy"
+    assert ts.metadata[ts.ids[0]]["calibration"]["num_prompts"] == 2
+    TreeScheduler.from_config(EntMTPConfig(policy="entropy", tree_set=str(out)), ts)
+
+
+def test_build_trees_bad_inputs(tiny_model, tmp_path):
+    model, vocab = tiny_model
+    make_heads(tmp_path / "wide", hidden_size=64, vocab_size=vocab, num_heads=2)
+    with pytest.raises(SystemExit, match="hidden_size"):
+        _build(tmp_path, model, tmp_path / "wide", "--prompt-set", "humaneval")
+    with pytest.raises(SystemExit, match="unknown prompt set 'nope'"):
+        _build(tmp_path, model, tmp_path / "wide", "--prompt-set", "nope")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": 1}\n')
+    with pytest.raises(SystemExit, match="line 1"):
+        _build(tmp_path, model, tmp_path / "wide", "--jsonl", str(bad))
+    for opt in (["--node-budgets", "0,2"], ["--max-tokens", "1"], ["--entropy-edges", "0.5,0.2"]):
+        with pytest.raises(SystemExit):
+            _build(tmp_path, model, tmp_path / "wide", "--prompt-set", "humaneval", *opt)

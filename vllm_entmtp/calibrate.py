@@ -1,0 +1,981 @@
+"""Build a tree set for the entropy scheduler from measured statistics: ``vllm-entmtp build-trees``.
+
+The target model decodes a prompt set greedily (transformers, float32, its chat template). Along its own
+continuation ``y`` it records, at every generated position ``t``, the entropy (nats) of the distribution
+``y_{t+1}`` was drawn from (what the runtime ``EntropyTracker`` sees) and, for every head ``d``, the rank of the
+true token ``y_{t+d+2}`` in head ``d``'s distribution (Hydra heads are fed the true path ``y_{t+1..t+d+1}``).
+Positions are split into entropy bins; per bin ``P[d][r]`` is the share of positions where head ``d``'s rank
+is ``r``. Under the independence assumption of Medusa's tree search a tree's expected accepted draft tokens
+are ``sum over nodes (r_0..r_d) of prod_i P[i][r_i]``; a greedy search (Medusa, Cai et al. 2024, arXiv
+2401.10774, section 2.3.3 "Searching for the optimized tree construction"; ``explore_graph`` in
+FasterDecoding/Medusa ``medusa/eval/gen_results.py``) gives one tree per node budget, the cost of verifying
+and drafting each tree is measured on this machine (Sequoia's hardware-aware choice, Chen et al. 2024, arXiv
+2402.12374), and per bin the Pareto frontier of (cost, expected tokens per step) and the tree with the best
+expected speed-up are kept. The output is a tree-set JSON file with a ``schedule`` (``docs/trees.md``) that
+:class:`vllm_entmtp.scheduler.TreeScheduler` reads, a PNG of the frontiers and a printed summary.
+
+Torch and transformers only (no vLLM import). The per-position statistics are cached next to ``--out``, so a
+second run with other budgets, bins or ranks only redoes the cheap part; an interrupted run resumes at the next
+prompt.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import heapq
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STATS_VERSION = 1
+RANK_STORE_CAP = 1024
+"""Ranks are stored capped at this value, so ``--max-rank`` up to it can change without recomputing."""
+NO_LABEL = -1
+"""Stored rank of a head at a position whose true token lies past the end of the continuation."""
+DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24)
+
+
+def _log(msg: str) -> None:
+    print(f"[build-trees] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------ tree statistics
+Path_ = tuple[int, ...]
+
+
+def _check_table(P: Sequence[Sequence[float]]) -> tuple[int, int]:
+    if not P or not P[0]:
+        raise ValueError("P must be a non-empty [heads][ranks] table")
+    width = len(P[0])
+    for d, row in enumerate(P):
+        if len(row) != width:
+            raise ValueError(f"P[{d}] has {len(row)} ranks, P[0] has {width}: rows must be equally long")
+        for r, x in enumerate(row):
+            if not (isinstance(x, (int, float)) and 0.0 <= x <= 1.0):
+                raise ValueError(f"P[{d}][{r}] = {x!r} is not a probability in [0, 1]")
+    return len(P), width
+
+
+def node_probability(path: Sequence[int], P: Sequence[Sequence[float]]) -> float:
+    """Probability that node ``path = (r_0, ..., r_d)`` is accepted: ``prod_i P[i][r_i]``.
+
+    Args:
+        path: top-k ranks, one per head (as in a tree-set file).
+        P: ``[heads][ranks]`` floats; ``P[i][r]`` is the share of positions where the true token is head ``i``'s
+            rank-``r`` token (given, for Hydra heads, that the path up to it is right).
+
+    Returns:
+        A float in [0, 1]; 0 for a path deeper than ``P`` or with a rank outside it (a "miss").
+
+    A node is accepted iff its own token and every ancestor's is the target's token; taking the depths as
+    independent is the assumption of Medusa's tree search (Cai et al. 2024, section 2.3.3) and Hydra's.
+    """
+    p = 1.0
+    for d, r in enumerate(path):
+        if d >= len(P) or r >= len(P[d]):
+            return 0.0
+        p *= P[d][r]
+    return p
+
+
+def expected_accepted(paths: Sequence[Sequence[int]], P: Sequence[Sequence[float]]) -> float:
+    """Expected accepted draft tokens per step of the tree ``paths``: ``sum over nodes of node_probability``.
+
+    Exactly one rank is right per depth, so siblings exclude each other and the accepted nodes form one path
+    from the root; its expected length is the sum of the nodes' acceptance probabilities. The bonus token is
+    not included: expected tokens per step = ``1 + expected_accepted``.
+    """
+    return sum(node_probability(p, P) for p in paths)
+
+
+def greedy_tree(P: Sequence[Sequence[float]], max_nodes: int, max_depth: int | None = None
+                ) -> list[tuple[Path_, float]]:
+    """Grow a tree one node at a time, always adding the frontier node of largest acceptance probability.
+
+    The frontier holds the children of the root and of the nodes added so far whose left sibling (rank
+    ``r - 1`` under the same parent) is present, so every tree has its left siblings. Ties go to the node
+    first in canonical order (shorter, then lexicographically smaller). Nodes of probability 0 are added too
+    (after every positive one), so the result has ``max_nodes`` nodes unless the ``[depth][rank]`` grid runs
+    out. Medusa's greedy search (``explore_graph`` in FasterDecoding/Medusa ``medusa/eval/gen_results.py``;
+    Cai et al. 2024, section 2.3.3); Sequoia (Chen et al. 2024) shows it is optimal among trees with the left
+    sibling property under a positional acceptance model.
+
+    Args:
+        P: ``[heads][ranks]`` acceptance table (see :func:`node_probability`).
+        max_nodes: nodes to add, >= 1.
+        max_depth: deepest path (default: ``len(P)``, one rank per head).
+
+    Returns:
+        ``(path, probability)`` in adding order. Every prefix is a tree (nested trees: the ``n``-node tree is
+        the first ``n`` entries), and each probability is at most its parent's.
+    """
+    heads, width = _check_table(P)
+    if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
+        raise ValueError(f"max_nodes must be an int >= 1, got {max_nodes!r}")
+    depth = heads if max_depth is None else min(max_depth, heads)
+    if depth < 1:
+        raise ValueError(f"max_depth must be >= 1, got {max_depth!r}")
+    value: dict[Path_, float] = {(): 1.0}
+    heap: list[tuple[float, int, Path_]] = [(-float(P[0][0]), 1, (0,))]
+    out: list[tuple[Path_, float]] = []
+    while heap and len(out) < max_nodes:
+        neg, _, path = heapq.heappop(heap)
+        value[path] = -neg
+        out.append((path, -neg))
+        d, r = len(path) - 1, path[-1]
+        if r + 1 < width:  # right sibling: its left sibling (this node) is now present
+            sib = path[:-1] + (r + 1,)
+            heapq.heappush(heap, (-value[path[:-1]] * P[d][r + 1], len(sib), sib))
+        if len(path) < depth:  # first child
+            heapq.heappush(heap, (-value[path] * P[d + 1][0], len(path) + 1, path + (0,)))
+    return out
+
+
+def pareto_frontier(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the non-dominated ``(cost, value)`` points, by increasing cost.
+
+    A point is dominated when another has cost <= and value >= with at least one strict; of exact duplicates
+    the first is kept. Used with cost = relative step time and value = expected tokens per step.
+    """
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1], i))
+    out, best = [], -math.inf
+    for i in order:
+        if points[i][1] > best:
+            out.append(i)
+            best = points[i][1]
+    return out
+
+
+def best_ratio(points: Sequence[tuple[float, float]]) -> int:
+    """Index of the point with the largest ``value / cost`` (expected speed-up over plain decoding); ties go to
+    the cheaper point, then the earlier one. Costs must be > 0."""
+    if not points:
+        raise ValueError("best_ratio needs at least one point")
+    for i, (c, _) in enumerate(points):
+        if not c > 0:
+            raise ValueError(f"point {i} has cost {c!r}; costs must be > 0")
+    return min(range(len(points)), key=lambda i: (-points[i][1] / points[i][0], points[i][0], i))
+
+
+# ------------------------------------------------------------------------------------------ entropy bins
+def quantile_edges(entropy: torch.Tensor, num_bins: int) -> list[float]:
+    """``num_bins - 1`` bin edges (nats) at the entropy quantiles ``i / num_bins``, rounded to 4 decimals;
+    edges <= 0 and repeated edges are dropped, so fewer bins may come back when the entropies are tied."""
+    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
+        raise ValueError(f"num_bins must be an int >= 1, got {num_bins!r}")
+    if num_bins == 1 or entropy.numel() == 0:
+        return []
+    qs = torch.quantile(entropy.double(), torch.arange(1, num_bins, dtype=torch.float64) / num_bins)
+    edges: list[float] = []
+    for q in qs.tolist():
+        q = round(q, 4)
+        if q > 0 and (not edges or q > edges[-1]):
+            edges.append(q)
+    return edges
+
+
+@dataclass
+class BinStats:
+    """Statistics of one entropy bin.
+
+    Attributes:
+        index: bin number, 0 = lowest entropy.
+        lo, hi: the bin holds entropies ``lo <= H < hi`` (nats; ``hi`` is ``inf`` for the last bin).
+        positions: generated positions in the bin.
+        mean_entropy: their mean entropy (nats).
+        labels_per_depth: per head, positions whose true token exists (the last ``d + 1`` positions of a
+            continuation have none for head ``d``); the denominators of ``P``.
+        P: ``[heads][max_rank]`` floats: ``P[d][r]`` = share of those positions where head ``d``'s rank of the
+            true token is ``r``; ``1 - sum(P[d])`` is the miss rate (rank >= max_rank).
+    """
+
+    index: int
+    lo: float
+    hi: float
+    positions: int
+    mean_entropy: float
+    labels_per_depth: list[int]
+    P: list[list[float]]
+
+    def range_str(self) -> str:
+        return f"[{self.lo:.3f}, {'inf' if math.isinf(self.hi) else f'{self.hi:.3f}'})"
+
+    def to_json(self) -> dict:
+        return {"bin": self.index, "entropy_range": [self.lo, None if math.isinf(self.hi) else self.hi],
+                "positions": self.positions, "mean_entropy": round(self.mean_entropy, 6),
+                "labels_per_depth": self.labels_per_depth,
+                "P": [[round(x, 6) for x in row] for row in self.P]}
+
+
+def bin_statistics(entropy: torch.Tensor, ranks: torch.Tensor, edges: Sequence[float], max_rank: int
+                   ) -> list[BinStats]:
+    """Per-bin rank tables.
+
+    Args:
+        entropy: ``float32 [N]`` nats, one per generated position.
+        ranks: ``int [N, heads]``: the true token's rank per head (0 = top-1), ``NO_LABEL`` (-1) where there is
+            no true token; ranks >= ``max_rank`` count as misses.
+        edges: strictly increasing bin edges (nats); a position goes to the bin of the number of edges <= its
+            entropy (as the scheduler maps a value on a threshold to the more conservative bin).
+        max_rank: ranks kept per head (the table width), >= 1.
+
+    Returns:
+        ``len(edges) + 1`` :class:`BinStats` (a bin may have 0 positions; its ``P`` is all zeros).
+    """
+    if entropy.dim() != 1 or ranks.dim() != 2 or ranks.shape[0] != entropy.shape[0]:
+        raise ValueError(f"entropy [N] and ranks [N, heads] expected, got {tuple(entropy.shape)} and "
+                         f"{tuple(ranks.shape)}")
+    bounds = torch.tensor(list(edges), dtype=torch.float64)
+    which = torch.bucketize(entropy.double(), bounds, right=True)
+    lows, highs = [0.0, *edges], [*edges, math.inf]
+    out = []
+    for b in range(len(edges) + 1):
+        sel = which == b
+        rk = ranks[sel].long()
+        labelled = rk >= 0
+        n_lab = labelled.sum(0).tolist()
+        table = []
+        for d in range(ranks.shape[1]):
+            counts = torch.bincount(rk[labelled[:, d], d].clamp(max=max_rank), minlength=max_rank + 1)
+            table.append([c / n_lab[d] if n_lab[d] else 0.0 for c in counts[:max_rank].tolist()])
+        n = int(sel.sum())
+        out.append(BinStats(b, float(lows[b]), float(highs[b]), n,
+                            float(entropy[sel].double().mean()) if n else math.nan, n_lab, table))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ target pass
+def true_token_ranks(logits: torch.Tensor, cols: torch.Tensor, cap: int = RANK_STORE_CAP) -> torch.Tensor:
+    """Rank of a chosen column per row: the number of strictly larger logits (0 = the argmax).
+
+    Args:
+        logits: ``[N, V]`` float.
+        cols: ``int64 [N]`` column of the true token per row; -1 when the token is not in the head's vocabulary.
+        cap: ranks are capped at this value (and -1 columns get it).
+
+    Returns:
+        ``int64 [N]`` in ``[0, cap]``.
+    """
+    picked = logits.gather(1, cols.clamp(min=0)[:, None])
+    r = (logits > picked).sum(1)
+    return torch.where(cols < 0, torch.full_like(r, cap), r.clamp(max=cap))
+
+
+@dataclass
+class TargetView:
+    """What the statistics need from the target model (float32).
+
+    Attributes:
+        model: a transformers causal LM (``base_model`` gives the final-norm hidden states).
+        lm_head: ``[vocab, hidden]`` weight of its output embedding.
+        embed: its input embedding (token ids -> ``[.., hidden]``).
+        eos_ids: token ids that end a continuation.
+    """
+
+    model: Any
+    lm_head: torch.Tensor
+    embed: Callable[[torch.Tensor], torch.Tensor]
+    eos_ids: frozenset[int]
+
+    @classmethod
+    def of(cls, model, tokenizer=None) -> TargetView:
+        eos: set[int] = set()
+        for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+            e = getattr(src, "eos_token_id", None)
+            eos.update(e if isinstance(e, (list, tuple)) else [] if e is None else [e])
+        return cls(model, model.get_output_embeddings().weight.detach(), model.get_input_embeddings(),
+                   frozenset(int(x) for x in eos))
+
+
+@torch.inference_mode()
+def greedy_continuation(view: TargetView, prompt_ids: Sequence[int], max_tokens: int
+                        ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Greedy decoding with a KV cache.
+
+    Returns:
+        ``(tokens, hidden, entropy)``: the ``T <= max_tokens`` generated token ids (ending at an EOS token, which
+        is kept), ``float32 [T, hidden]`` final-norm hidden states ``h_t`` (row ``t`` is the state whose logits
+        chose ``tokens[t]``) and ``float32 [T]`` entropies (nats) of those next-token distributions.
+    """
+    from transformers import DynamicCache
+
+    from vllm_entmtp.entropy import entropy_nats
+
+    lm = view.model.get_output_embeddings()
+    cache = DynamicCache(config=view.model.config)
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    tokens, hidden, ent = [], [], []
+    for _ in range(max_tokens):
+        h = view.model.base_model(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state[0, -1]
+        logits = lm(h[None]).float()
+        y = int(logits[0].argmax())
+        tokens.append(y)
+        hidden.append(h.float())
+        ent.append(entropy_nats(logits)[0])
+        if y in view.eos_ids:
+            break
+        ids = torch.tensor([[y]], dtype=torch.long)
+    return tokens, torch.stack(hidden), torch.stack(ent)
+
+
+@torch.inference_mode()
+def head_ranks(heads, view: TargetView, tokens: Sequence[int], hidden: torch.Tensor, chunk: int = 32
+               ) -> torch.Tensor:
+    """Rank of the true token per position and head along a greedy continuation.
+
+    Args:
+        heads: ``MedusaHeads`` (head ``d`` reads ``h_t``) or ``HydraHeads`` (head ``d`` reads ``h_t`` and the
+            embeddings of the true path ``y_{t+1} .. y_{t+d+1}``, i.e. ``tokens[t .. t+d]``).
+        tokens: the ``T`` generated tokens ``y_1 .. y_T`` (``tokens[t]`` is ``y_{t+1}``).
+        hidden: ``float32 [T, hidden]``: ``hidden[t]`` is ``h_t``, whose target logits chose ``y_{t+1}``.
+
+    Returns:
+        ``int16 [T, heads]``: rank of ``y_{t+d+2}`` (``tokens[t + d + 1]``) in head ``d``'s logits at ``t``,
+        capped at :data:`RANK_STORE_CAP`; :data:`NO_LABEL` where ``t + d + 1 >= T``.
+    """
+    from vllm_entmtp.heads.hydra import HydraHeads
+
+    T, K = len(tokens), heads.num_heads
+    y = torch.tensor(list(tokens), dtype=torch.long)
+    out = torch.full((T, K), NO_LABEL, dtype=torch.int16)
+    if not isinstance(heads, HydraHeads):  # every head reads h_t: one pass of all heads per chunk of positions
+        for s in range(0, max(T - 1, 0), chunk):
+            t = torch.arange(s, min(s + chunk, T - 1))
+            logits = heads.logits(hidden[t], view.lm_head).float()  # [K, n, V]
+            for d in range(K):
+                ok = t + d + 1 < T
+                out[t[ok], d] = true_token_ranks(logits[d][ok], y[t[ok] + d + 1]).to(torch.int16)
+        return out
+    w = heads.draft_lm_weight(view.lm_head)
+    col_of = None  # target token id -> draft-vocabulary column (-1: not in it)
+    if heads.token_map is not None:
+        col_of = torch.full((view.lm_head.shape[0],), -1, dtype=torch.long)
+        col_of[heads.token_map] = torch.arange(len(heads.token_map))
+    for d in range(K):
+        n = T - d - 1  # positions t = 0 .. n - 1 have a label
+        for s in range(0, max(n, 0), chunk):
+            t = torch.arange(s, min(s + chunk, n))
+            label = y[t + d + 1]
+            path = torch.stack([y[t + j] for j in range(d + 1)], dim=1)  # y_{t+1} .. y_{t+d+1}: [n, d + 1]
+            x = heads.hidden_states(d, hidden[t], view.embed(path).float())
+            cols = col_of[label] if col_of is not None else label
+            out[t, d] = true_token_ranks(heads.logits(d, x, w).float(), cols).to(torch.int16)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ prompts and cache
+def _messages_of(row: Any) -> list[dict] | None:
+    """Chat messages of one JSONL object (``prompt`` or ``messages``), or None when it has neither."""
+    if not isinstance(row, dict):
+        return None
+    if isinstance(row.get("prompt"), str):
+        return [{"role": "user", "content": row["prompt"]}]
+    msgs = row.get("messages")
+    ok = isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                                 for m in msgs)
+    return msgs if ok else None
+
+
+def read_jsonl_prompts(path: str | Path) -> list[dict]:
+    """Prompts of a JSONL file: one object per line with ``prompt`` (a string: one user turn) or ``messages``
+    (OpenAI-style chat messages); blank lines are skipped. Returns ``[{"id", "messages"}]`` (``id``: the
+    object's ``id``, else ``line<N>``).
+
+    Raises:
+        ValueError: unreadable file, malformed line, or a line with neither key (the line number is named).
+    """
+    path = Path(path)
+    try:
+        numbered = [(i, ln) for i, ln in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if ln.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--jsonl {path}: cannot read: {e}") from None
+    out = []
+    for i, line in numbered:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--jsonl {path}, line {i}: malformed JSON: {e.msg}") from None
+        msgs = _messages_of(row)
+        if msgs is None:
+            raise ValueError(f"--jsonl {path}, line {i}: expected an object with \"prompt\" (a string) or "
+                             f"\"messages\" (a non-empty list of {{\"role\", \"content\"}}), got {line[:80]!r}")
+        out.append({"id": str(row.get("id", f"line{i}")), "messages": msgs})
+    if not out:
+        raise ValueError(f"--jsonl {path}: no prompts")
+    return out
+
+
+def render_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[int]:
+    """Token ids of ``messages`` through the chat template with the generation prompt (the plain contents
+    joined by newlines when the tokenizer has no template), keeping the last ``max_prompt_tokens``."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = "\n".join(m["content"] for m in messages)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return list(ids[-max_prompt_tokens:])
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else "absent"
+
+
+def dir_fingerprint(path: str | Path) -> dict:
+    """Identity of a model or heads folder for the cache key: resolved path, config digest, and the size and
+    modification time of its weight files."""
+    p = Path(path).resolve()
+    weights = sorted(f for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".pt", ".gguf")) \
+        if p.is_dir() else []
+    return {"path": str(p), "config": _file_digest(p / "config.json"),
+            "weights": {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in weights}}
+
+
+def stats_cache_path(out: Path, key: dict) -> Path:
+    """``<out stem>.stats-<12 hex digits of the key>.pt`` next to ``out``."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return out.with_name(f"{out.stem}.stats-{digest}.pt")
+
+
+def _load_cache(path: Path, key: dict) -> list[dict]:
+    if not path.is_file():
+        return []
+    try:
+        blob = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a broken cache is rebuilt, not fatal
+        _log(f"ignoring unreadable statistics cache {path}: {e}")
+        return []
+    if blob.get("version") != STATS_VERSION or blob.get("key") != key:
+        _log(f"ignoring statistics cache {path}: built for other settings")
+        return []
+    return list(blob["records"])
+
+
+def _save_cache(path: Path, key: dict, records: list[dict]) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    torch.save({"version": STATS_VERSION, "key": key, "records": records}, tmp)
+    os.replace(tmp, path)
+
+
+def collect_statistics(view: TargetView, heads, tokenizer, prompts: list[dict], max_tokens: int,
+                       max_prompt_tokens: int, cache_path: Path, key: dict) -> list[dict]:
+    """Per-prompt statistics, from the cache where present, else computed and appended to it (after every
+    prompt, so an interrupted run resumes). Prompts are taken in order: a cache of more prompts serves a run
+    with fewer.
+
+    Returns:
+        One record per prompt: ``id``, ``prompt_tokens`` (int), ``tokens`` (generated ids), ``entropy``
+        (``float32 [T]`` nats) and ``ranks`` (``int16 [T, heads]``, see :func:`head_ranks`).
+    """
+    from tqdm import tqdm
+
+    records = _load_cache(cache_path, key)
+    if records:
+        _log(f"statistics cache {cache_path}: {len(records)} prompt(s) done")
+    for p in tqdm(prompts[len(records):], desc="target + heads", unit="prompt", initial=0,
+                  disable=len(records) >= len(prompts)):
+        ids = render_prompt(tokenizer, p["messages"], max_prompt_tokens)
+        tokens, hidden, ent = greedy_continuation(view, ids, max_tokens)
+        ranks = head_ranks(heads, view, tokens, hidden)
+        records.append({"id": p["id"], "prompt_tokens": len(ids), "tokens": tokens, "entropy": ent,
+                        "ranks": ranks})
+        _save_cache(cache_path, key, records)
+    return records[:len(prompts)]
+
+
+# ------------------------------------------------------------------------------------------ cost
+@torch.inference_mode()
+def measure_verify_times(model, sizes: Sequence[int], context_tokens: int = 256, repeats: int = 7,
+                         warmup: int = 1, seed: int = 0) -> dict[int, float]:
+    """Seconds of one target forward over ``n + 1`` new tokens (root + ``n`` draft nodes) after a KV cache of
+    ``context_tokens`` random tokens, with logits for every new token, for each ``n`` in ``sizes`` (0 = a plain
+    decode step). Median of ``repeats`` runs after ``warmup``; the sizes are interleaved in every round so that
+    drift in the machine's load spreads over all of them. transformers' causal mask is used, not a tree mask
+    (the same work; the model's own kernels, not vLLM's).
+    """
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.randint(0, vocab, (1, context_tokens), generator=g), past_key_values=cache,
+          use_cache=True, logits_to_keep=1)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for rnd in range(warmup + repeats):
+        for n in sizes:
+            x = torch.randint(0, vocab, (1, n + 1), generator=g)
+            t0 = time.perf_counter()
+            model(input_ids=x, past_key_values=cache, use_cache=True)
+            dt = time.perf_counter() - t0
+            cache.crop(-(n + 1))
+            if rnd >= warmup:
+                times[n].append(dt)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def make_drafter(heads, view: TargetView):
+    """The runtime drafter (:mod:`vllm_entmtp.proposer`) for ``heads`` over the transformers target."""
+    from vllm_entmtp.heads.hydra import HydraHeads
+    from vllm_entmtp.proposer import HydraDrafter, MTPDrafter
+
+    if isinstance(heads, HydraHeads):
+        return HydraDrafter(heads, view.embed, view.lm_head)
+    w = view.lm_head
+    return MTPDrafter(heads, lambda x: x @ w.t())
+
+
+@torch.inference_mode()
+def measure_draft_times(drafter, trees: Sequence, hidden: torch.Tensor, bonus: int, repeats: int = 7,
+                        warmup: int = 1) -> list[float]:
+    """Seconds the drafter needs to propose each tree for one request (Medusa: one pass of the heads and a
+    top-k; Hydra: one head evaluation per depth for the nodes with children); median of ``repeats`` after
+    ``warmup``, trees interleaved per round. ``hidden``: ``[1, hidden]``; ``bonus``: the root's token id."""
+    bonus_t = torch.tensor([bonus], dtype=torch.long)
+    times: list[list[float]] = [[] for _ in trees]
+    for rnd in range(warmup + repeats):
+        for i, tree in enumerate(trees):
+            t0 = time.perf_counter()
+            drafter.propose(hidden, [tree], bonus=bonus_t)
+            if rnd >= warmup:
+                times[i].append(time.perf_counter() - t0)
+    return [statistics.median(v) for v in times]
+
+
+# ------------------------------------------------------------------------------------------ choosing trees
+@dataclass
+class Candidate:
+    """One bin's greedy tree at one node budget, with its measured cost and expected value.
+
+    ``cost`` and its parts are relative to a plain decode step (one token verified, no drafting) = 1.0;
+    ``tokens_per_step`` includes the bonus token; ``speedup = tokens_per_step / cost``.
+    """
+
+    bin: int
+    budget: int  # the node budget asked for (num_nodes is smaller when the [depth][rank] grid ran out)
+    paths: tuple[Path_, ...]  # adding order
+    accepted: float
+    verify_cost: float = math.nan
+    draft_cost: float = math.nan
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths)
+
+    @property
+    def key(self) -> tuple[Path_, ...]:
+        return tuple(sorted(self.paths, key=lambda p: (len(p), p)))
+
+    @property
+    def tokens_per_step(self) -> float:
+        return 1.0 + self.accepted
+
+    @property
+    def cost(self) -> float:
+        return self.verify_cost + self.draft_cost
+
+    @property
+    def speedup(self) -> float:
+        return self.tokens_per_step / self.cost
+
+
+@dataclass
+class BinChoice:
+    """The candidates of a bin, its Pareto frontier, the chosen tree (None: no drafting is best) and the tree
+    the schedule gives the bin: the chosen one or, as a schedule has no "no drafting" entry, the tree with the
+    best speed-up even though it is below 1."""
+
+    stats: BinStats
+    candidates: list[Candidate]
+    frontier: list[Candidate]
+    chosen: Candidate | None
+    scheduled: Candidate = field(init=False)
+
+    def __post_init__(self):
+        self.scheduled = self.chosen if self.chosen is not None else self.candidates[
+            best_ratio([(c.cost, c.tokens_per_step) for c in self.candidates])]
+
+
+def candidates_for_bin(stats: BinStats, budgets: Sequence[int], num_heads: int) -> list[Candidate]:
+    """The greedy tree of ``stats.P`` at every budget (nested trees; a budget past the ``[depth][rank]`` grid
+    gets the whole grid; a tree equal to a smaller budget's is left out)."""
+    order = greedy_tree(stats.P, max(budgets), max_depth=num_heads)
+    out: list[Candidate] = []
+    for n in budgets:
+        paths = tuple(p for p, _ in order[:n])
+        if out and len(paths) == out[-1].num_nodes:
+            continue
+        out.append(Candidate(stats.index, n, paths, expected_accepted(paths, stats.P)))
+    return out
+
+
+def choose(stats: BinStats, cands: list[Candidate]) -> BinChoice:
+    """Pareto frontier and best expected speed-up among ``cands`` and "no drafting" (cost 1, 1 token/step)."""
+    points = [(1.0, 1.0)] + [(c.cost, c.tokens_per_step) for c in cands]
+    front = [cands[i - 1] for i in pareto_frontier(points) if i > 0]
+    best = best_ratio(points)
+    return BinChoice(stats, cands, front, cands[best - 1] if best > 0 else None)
+
+
+def _tree_metadata(c: Candidate, key: tuple[Path_, ...], choices: list[BinChoice], verify_ms: float,
+                   draft_ms: float) -> dict:
+    from vllm_entmtp.trees import Tree
+
+    t = Tree(key)
+    per_depth = [t.depths.count(d) for d in range(1, t.depth + 1)]
+    acc = [expected_accepted(key, b.stats.P) for b in choices]
+    return {
+        "num_nodes": t.num_nodes, "depth": t.depth, "nodes_per_depth": per_depth,
+        "topk_per_depth": [r + 1 for r in t.max_rank_per_depth],
+        "expected_accepted_per_bin": [round(a, 4) for a in acc],
+        "expected_tokens_per_step_per_bin": [round(1 + a, 4) for a in acc],
+        "cost": {"verify": round(c.verify_cost, 4), "draft": round(c.draft_cost, 4), "total": round(c.cost, 4)},
+        "verify_ms": round(verify_ms, 3), "draft_ms": round(draft_ms, 3),
+        "expected_speedup_per_bin": [round((1 + a) / c.cost, 4) for a in acc],
+        "frontier_in_bins": [b.stats.index for b in choices if any(f.key == key for f in b.frontier)],
+        "chosen_in_bins": [b.stats.index for b in choices if b.chosen is not None and b.chosen.key == key],
+        "source": f"vllm-entmtp build-trees: greedy tree of entropy bin {c.bin} at a budget of {c.num_nodes} "
+                  f"nodes",
+    }
+
+
+def build_tree_set(choices: list[BinChoice], *, name: str, heads_kind: str, num_heads: int,
+                   times_ms: dict[str, Any], calibration: dict, hysteresis: float | None = None
+                   ) -> tuple[dict, list[str]]:
+    """The tree-set JSON object (``docs/trees.md``, schema version 1) with a ``schedule``.
+
+    Trees: every bin's frontier trees and the scheduled ones, identical trees once (id ``b{bin}n{nodes}`` of
+    the first bin that produced it), smallest first. Schedule: bin ``i``'s scheduled tree, thresholds = the
+    edges between bins; neighbouring bins with the same tree are merged (their edge dropped), and a tree
+    scheduled again after another gets a copy under its own bin's id (ids in a ladder are unique).
+    ``calibration`` (statistics, cost table, settings) goes into the metadata of the first tree.
+
+    Args:
+        times_ms: ``{"verify": {n: ms}, "draft": {tree key: ms}}``.
+
+    Returns:
+        ``(tree-set object, the tree id each bin is scheduled to)``.
+    """
+    entries: dict[tuple[Path_, ...], tuple[str, Candidate]] = {}
+    for b in choices:
+        for c in [*b.frontier, b.scheduled]:
+            entries.setdefault(c.key, (f"b{c.bin}n{c.num_nodes}", c))
+    ladder: list[tuple[str, tuple[Path_, ...]]] = []
+    thresholds: list[float] = []
+    extra: dict[str, tuple[tuple[Path_, ...], Candidate]] = {}
+    bin_ids: list[str] = []
+    for b in choices:
+        key = b.scheduled.key
+        tid = entries[key][0]
+        if ladder and ladder[-1][1] == key:
+            bin_ids.append(ladder[-1][0])
+            continue  # same tree as the previous bin: merge the bins
+        if any(t == tid for t, _ in ladder):
+            tid = f"b{b.stats.index}n{b.scheduled.num_nodes}"
+            extra[tid] = (key, b.scheduled)
+        if ladder:
+            thresholds.append(float(b.stats.lo))
+        ladder.append((tid, key))
+        bin_ids.append(tid)
+    trees = [(tid, key, c) for key, (tid, c) in entries.items()] + [(t, k, c) for t, (k, c) in extra.items()]
+    trees.sort(key=lambda it: (len(it[1]), it[0]))
+    out_trees = []
+    for tid, key, c in trees:
+        md = _tree_metadata(c, key, choices, times_ms["verify"][len(key)], times_ms["draft"][key])
+        out_trees.append({"id": tid, "paths": [list(p) for p in key], "metadata": md})
+    out_trees[0]["metadata"]["calibration"] = calibration
+    sched: dict[str, Any] = {"signal": "entropy", "thresholds": thresholds, "tree_ids": [t for t, _ in ladder]}
+    if hysteresis is not None:
+        sched["hysteresis"] = float(hysteresis)
+    summary = "; ".join(
+        f"bin {b.stats.index} H in {b.stats.range_str()}: {tid}" + (" (no drafting would be better)"
+                                                                   if b.chosen is None else "")
+        for b, tid in zip(choices, bin_ids))
+    desc = (f"Built by vllm-entmtp build-trees from {calibration['prompts']} ({calibration['positions']} "
+            f"positions) for {heads_kind} heads: per entropy bin, greedy trees at each node budget, their Pareto "
+            f"frontier of measured cost vs expected tokens per step, and the tree with the best expected "
+            f"speed-up scheduled. {summary}. Statistics and cost table: metadata.calibration of tree "
+            f"{out_trees[0]['id']!r}.")
+    return {"schema_version": 1, "name": name, "heads": {"kind": heads_kind, "num_heads": num_heads},
+            "description": desc, "trees": out_trees, "schedule": sched}, bin_ids
+
+
+# ------------------------------------------------------------------------------------------ plot and table
+def plot_frontiers(choices: list[BinChoice], path: Path, title: str = "") -> None:
+    """PNG: per bin, expected tokens per step (bonus included) against measured cost for every budget's tree,
+    the Pareto frontier as a line, the chosen tree starred (a hollow star: no tree beats plain decoding and this
+    is the one scheduled anyway), "no drafting" at (1, 1) and the speed-up-1 line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(choices), figsize=(4.6 * len(choices), 4.2), squeeze=False)
+    for ax, b in zip(axes[0], choices):
+        xs = [c.cost for c in b.candidates]
+        ys = [c.tokens_per_step for c in b.candidates]
+        ax.scatter(xs, ys, color="0.55", s=18, label="greedy tree per budget")
+        for c in b.candidates:
+            ax.annotate(str(c.num_nodes), (c.cost, c.tokens_per_step), fontsize=7, xytext=(3, 2),
+                        textcoords="offset points")
+        fx = [1.0] + [c.cost for c in b.frontier]
+        fy = [1.0] + [c.tokens_per_step for c in b.frontier]
+        ax.plot(fx, fy, "-o", color="tab:blue", ms=4, label="Pareto frontier")
+        ax.scatter([1.0], [1.0], marker="s", color="black", zorder=3, label="no drafting")
+        top = max([1.0, *xs, *ys]) * 1.05
+        ax.plot([0, top], [0, top], ":", color="tab:red", lw=1, label="speed-up 1")
+        c = b.scheduled
+        ax.scatter([c.cost], [c.tokens_per_step], marker="*", s=180, zorder=4,
+                   color="tab:orange" if b.chosen is not None else "none", edgecolors="tab:orange",
+                   label=(f"chosen: {c.num_nodes} nodes, x{c.speedup:.2f}" if b.chosen is not None else
+                          f"scheduled, below 1: {c.num_nodes} nodes, x{c.speedup:.2f}"))
+        ax.set_xlim(0.9, max([1.0, *xs]) * 1.05)
+        ax.set_ylim(0.9, max([1.0, *ys]) * 1.05 + 0.05)
+        ax.set_xlabel("cost per step (plain decode step = 1)")
+        ax.set_ylabel("expected tokens per step (incl. bonus)")
+        ax.set_title(f"bin {b.stats.index}: H in {b.stats.range_str()} nats, {b.stats.positions} pos.", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary_table(choices: list[BinChoice], bin_ids: Sequence[str]) -> str:
+    """The printed summary: one row per bin (``bin_ids``: the tree id each bin is scheduled to)."""
+    head = (f"{'bin':>3}  {'entropy (nats)':<17} {'positions':>9} {'mean H':>7}  {'tree':<8} {'nodes':>5} "
+            f"{'depth':>5} {'tok/step':>8} {'cost':>6} {'(verify+draft)':<15} {'speed-up':>8}")
+    rows = [head, "-" * len(head)]
+    notes = []
+    for b, tid in zip(choices, bin_ids):
+        c = b.scheduled
+        mark = "*" if b.chosen is None else ""
+        rows.append(f"{b.stats.index:>3}  {b.stats.range_str():<17} {b.stats.positions:>9} "
+                    f"{b.stats.mean_entropy:>7.3f}  {tid + mark:<8} {c.num_nodes:>5} {max(map(len, c.paths)):>5} "
+                    f"{c.tokens_per_step:>8.3f} {c.cost:>6.3f} ({c.verify_cost:.3f}+{c.draft_cost:.3f}){'':<2} "
+                    f"{c.speedup:>8.3f}")
+        if b.chosen is None:
+            notes.append(f"* bin {b.stats.index}: no drafting (speed-up 1.000) beats every tree; the schedule has "
+                         f"no 'no drafting' entry, so the bin drafts the tree with the best speed-up below 1")
+    rows.append("tok/step: expected tokens per step incl. the bonus token; cost: step time relative to a plain "
+                "decode step; speed-up = tok/step / cost (no drafting = 1.000)")
+    return "\n".join(rows + notes)
+
+
+# ------------------------------------------------------------------------------------------ command line
+def _int_list(text: str) -> list[int]:
+    try:
+        vals = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or vals[0] < 1:
+        raise argparse.ArgumentTypeError(f"node budgets must be integers >= 1, got {text!r}")
+    return vals
+
+
+def _edge_list(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers (nats), got {text!r}") from None
+    if not vals or any(not math.isfinite(v) or v <= 0 for v in vals) or any(
+            b <= a for a, b in zip(vals, vals[1:])):
+        raise argparse.ArgumentTypeError(f"entropy edges must be finite, > 0 and strictly increasing, got {text!r}")
+    return vals
+
+
+def _positive(kind: type, minimum: float = 1):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        return v
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt-set", help="prompt set of vllm_entmtp.datasets (humaneval, gsm8k, sharegpt, "
+                                          "creative, mtbench)")
+    src.add_argument("--jsonl", help="JSONL file of prompts: {\"prompt\": str} or {\"messages\": [...]} per line")
+    p.add_argument("--num-prompts", type=_positive(int), default=20, help="first N prompts (default: %(default)s)")
+    p.add_argument("--max-tokens", type=_positive(int, 2), default=128,
+                   help="greedy tokens generated per prompt (default: %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=_positive(int), default=1024,
+                   help="keep the last N prompt tokens (default: %(default)s)")
+    p.add_argument("--model", help="target model folder (default: the prepared default model)")
+    p.add_argument("--heads", help="MTP heads folder, Medusa or Hydra, any supported layout (default: the heads "
+                                   "registered for the model)")
+    p.add_argument("--out", help="tree-set JSON to write (default: runs/calib/<prompt set or jsonl stem>.json)")
+    p.add_argument("--plot", help="PNG of the frontiers (default: next to --out, same stem)")
+    p.add_argument("--name", help="the tree set's name (default: <prompts>-<heads kind>)")
+    p.add_argument("--entropy-bins", type=_positive(int), default=3,
+                   help="entropy bins, edges at the entropy quantiles of the data (default: %(default)s)")
+    p.add_argument("--entropy-edges", type=_edge_list, default=None,
+                   help="explicit bin edges in nats, comma-separated (overrides --entropy-bins)")
+    p.add_argument("--node-budgets", type=_int_list, default=list(DEFAULT_BUDGETS),
+                   help="tree sizes tried per bin (default: %s)" % ",".join(map(str, DEFAULT_BUDGETS)))
+    p.add_argument("--max-rank", type=_positive(int), default=8,
+                   help="top-k ranks per head considered; rank >= this is a miss (default: %(default)s, at most "
+                        f"{RANK_STORE_CAP})")
+    p.add_argument("--hysteresis", type=_positive(float, 0.0), default=None,
+                   help="hysteresis (nats) written into the schedule (default: none, the scheduler's own)")
+    p.add_argument("--cost-context", type=_positive(int), default=256,
+                   help="KV-cache tokens before the timed verification forwards (default: %(default)s)")
+    p.add_argument("--cost-repeats", type=_positive(int), default=7,
+                   help="timed runs per size; the median is used (default: %(default)s)")
+    p.add_argument("--threads", type=_positive(int), default=None,
+                   help="torch threads for everything, timings included (default: torch's, e.g. OMP_NUM_THREADS)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random cost context (default: %(default)s)")
+
+
+def _load_prompts(args) -> tuple[list[dict], dict]:
+    if args.jsonl:
+        path = Path(args.jsonl).expanduser()
+        rows = read_jsonl_prompts(path)[:args.num_prompts]
+        return rows, {"jsonl": str(path.resolve()), "sha256": _file_digest(path)}
+    from vllm_entmtp.datasets import load_prompts
+
+    rows = [{"id": p.id, "messages": p.messages} for p in load_prompts(args.prompt_set, limit=args.num_prompts)]
+    return rows, {"prompt_set": args.prompt_set}
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ValueError as e:  # bad input: EntMTPError, TreeSetError, HeadsCheckpointError, unknown prompt set
+        raise SystemExit(f"build-trees: error: {e}") from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_entmtp.config import EntMTPConfig
+    from vllm_entmtp.heads import load_mtp_heads
+    from vllm_entmtp.heads.hydra import HydraHeads
+    from vllm_entmtp.models import find_registered_heads, prepare_default_model
+    from vllm_entmtp.scheduler import TreeScheduler
+    from vllm_entmtp.trees import Tree, load_tree_set
+
+    if args.max_rank > RANK_STORE_CAP:
+        raise ValueError(f"--max-rank {args.max_rank} exceeds {RANK_STORE_CAP}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    label = args.prompt_set or Path(args.jsonl).stem
+    out = Path(args.out or f"runs/calib/{label}.json")
+    plot_path = Path(args.plot) if args.plot else out.with_suffix(".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    prompts, prompt_key = _load_prompts(args)
+    if len(prompts) < args.num_prompts:
+        _log(f"only {len(prompts)} prompt(s) available (asked for {args.num_prompts})")
+
+    model_dir = Path(args.model).expanduser() if args.model else prepare_default_model()
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"--model {model_dir}: not a model folder (no config.json)")
+    _log(f"target {model_dir} (transformers, float32, {torch.get_num_threads()} thread(s))")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval().requires_grad_(False)
+    heads_dir = Path(args.heads).expanduser() if args.heads else find_registered_heads(str(model_dir), model.config)
+    if heads_dir is None:
+        raise ValueError(f"no MTP heads are registered for {model_dir}; pass --heads DIR")
+    heads = load_mtp_heads(heads_dir, hidden_size=model.config.hidden_size,
+                           vocab_size=model.get_output_embeddings().weight.shape[0]).eval().requires_grad_(False)
+    kind = "hydra" if isinstance(heads, HydraHeads) else "medusa"
+    num_heads = heads.num_heads
+    _log(f"heads {heads_dir} ({kind}, {num_heads} heads)")
+    view = TargetView.of(model, tokenizer)
+
+    # 1. per-position statistics (cached)
+    key = {"version": STATS_VERSION, "model": dir_fingerprint(model_dir), "heads": dir_fingerprint(heads_dir),
+           "prompts": prompt_key, "max_tokens": args.max_tokens, "max_prompt_tokens": args.max_prompt_tokens}
+    cache_path = stats_cache_path(out, key)
+    records = collect_statistics(view, heads, tokenizer, prompts, args.max_tokens, args.max_prompt_tokens,
+                                 cache_path, key)
+    entropy = torch.cat([r["entropy"] for r in records]).float()
+    ranks = torch.cat([r["ranks"] for r in records])
+    if entropy.numel() == 0:
+        raise ValueError("no generated positions (every continuation was empty)")
+
+    # 2. bins and greedy trees
+    edges = args.entropy_edges if args.entropy_edges else quantile_edges(entropy, args.entropy_bins)
+    bins = [b for b in bin_statistics(entropy, ranks, edges, args.max_rank) if b.positions > 0]
+    for i, b in enumerate(bins):  # empty bins dropped: renumber, ranges follow the kept bins
+        b.index = i
+        b.hi = bins[i + 1].lo if i + 1 < len(bins) else math.inf
+    if bins:
+        bins[0].lo = 0.0
+    budgets = list(args.node_budgets)
+    cands = {b.index: candidates_for_bin(b, budgets, num_heads) for b in bins}
+
+    # 3. cost: verification by node count, drafting by tree
+    sizes = sorted({0} | {c.num_nodes for cs in cands.values() for c in cs})
+    _log(f"timing verification of {', '.join(map(str, sizes))} draft nodes over a {args.cost_context}-token "
+         f"context ({args.cost_repeats} runs each, {torch.get_num_threads()} thread(s))")
+    verify_s = measure_verify_times(model, sizes, args.cost_context, args.cost_repeats, seed=args.seed)
+    distinct = list({c.key: Tree(c.key) for cs in cands.values() for c in cs}.items())
+    first = records[0]
+    hid = greedy_continuation(view, render_prompt(tokenizer, prompts[0]["messages"], args.max_prompt_tokens), 1)[1]
+    draft_s = measure_draft_times(make_drafter(heads, view), [t for _, t in distinct], hid,
+                                  first["tokens"][0], args.cost_repeats)
+    base = verify_s[0]
+    draft_of = {k: s for (k, _), s in zip(distinct, draft_s)}
+    for cs in cands.values():
+        for c in cs:
+            c.verify_cost = verify_s[c.num_nodes] / base
+            c.draft_cost = draft_of[c.key] / base
+    choices = [choose(b, cands[b.index]) for b in bins]
+
+    # 4. the tree set
+    calibration = {
+        "command": "vllm-entmtp build-trees " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["build-trees"]
+        else "vllm-entmtp build-trees",
+        "model": str(model_dir), "heads": str(heads_dir), "heads_kind": kind,
+        "prompts": args.prompt_set or str(args.jsonl), "num_prompts": len(records),
+        "max_tokens": args.max_tokens, "positions": int(entropy.numel()), "max_rank": args.max_rank,
+        "entropy_edges": list(edges), "node_budgets": budgets,
+        "bins": [b.to_json() for b in bins],
+        "cost": {"threads": torch.get_num_threads(), "context_tokens": args.cost_context,
+                 "repeats": args.cost_repeats, "plain_decode_ms": round(base * 1e3, 3),
+                 "verify_ms": {str(n): round(s * 1e3, 3) for n, s in verify_s.items()},
+                 "measured_with": "transformers float32 forward with KV cache (causal mask over the N+1 new "
+                                  "tokens, logits for each) and the runtime drafter; not vLLM"},
+        "assumptions": "heads independent across depths (P(node) = prod_i P[i][r_i]); entropy bins on the "
+                       "per-position entropy, while the runtime scheduler uses its EMA",
+    }
+    name = args.name or f"{label}-{kind}"
+    times_ms = {"verify": {n: s * 1e3 for n, s in verify_s.items()},
+                "draft": {k: s * 1e3 for k, s in draft_of.items()}}
+    ts_json, bin_ids = build_tree_set(choices, name=name, heads_kind=kind, num_heads=num_heads, times_ms=times_ms,
+                             calibration=calibration, hysteresis=args.hysteresis)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(ts_json, indent=1) + "\n")
+    os.replace(tmp, out)
+
+    # 5. check that the runtime accepts it
+    ts = load_tree_set(str(out.resolve()), num_heads=num_heads)
+    sched = TreeScheduler.from_config(EntMTPConfig(policy="entropy", tree_set=str(out.resolve())), ts)
+
+    plot_frontiers(choices, plot_path, f"{name}: {len(records)} prompts, {int(entropy.numel())} positions, "
+                                       f"{kind} heads")
+    print(f"tree set {out} ({len(ts)} trees; schedule {sched.ladder_ids}, thresholds "
+          f"{[round(x, 4) for x in sched.thresholds]} nats)")
+    print(f"plot {plot_path}; statistics cache {cache_path}")
+    print(f"cost: plain decode step {base * 1e3:.1f} ms ({torch.get_num_threads()} thread(s), transformers "
+          f"float32, {args.cost_context}-token context); verifying N nodes: "
+          + ", ".join(f"{n}: {verify_s[n] / base:.2f}" for n in sizes if n))
+    print(summary_table(choices, bin_ids))
+    return 0

@@ -8,6 +8,9 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 # Extra arguments for `vllm serve`, e.g. make serve SERVE_ARGS="--max-num-seqs 16"
 SERVE_ARGS ?=
+# The target's dtype. On a CPU without AVX-512 BF16, bfloat16 linear layers run row by row (no oneDNN bf16
+# GEMM), so verifying k draft tokens costs ~k decode steps and speculation cannot pay: serve float32 there.
+DTYPE ?= $(shell grep -q avx512_bf16 /proc/cpuinfo 2>/dev/null && echo auto || echo float32)
 # On CPU, vLLM insists at start-up that this share of the NUMA node's memory is free (its default, 0.92, fails
 # on a 2-NUMA-node machine with anything else running); the KV cache size is VLLM_CPU_KVCACHE_SPACE (GiB).
 MEM_UTIL ?= 0.5
@@ -38,7 +41,7 @@ prepare: setup
 serve: prepare
 	MODEL=$$($(VENV)/bin/vllm-entmtp prepare --json | $(PY) -c 'import json,sys; print(json.load(sys.stdin)["model"])') && \
 	exec $(VENV)/bin/vllm serve "$$MODEL" --served-model-name SmolLM2-135M-Instruct \
-	    --host $(HOST) --port $(PORT) --gpu-memory-utilization $(MEM_UTIL) \
+	    --host $(HOST) --port $(PORT) --gpu-memory-utilization $(MEM_UTIL) --dtype $(DTYPE) \
 	    --speculative-config '{"method": "entmtp"}' $(SERVE_ARGS)
 
 test: setup

@@ -129,19 +129,23 @@ def test_tree_set_file_loads_and_schedules(tmp_path):
     path.write_text(json.dumps(obj))
     ts = load_tree_set(str(path), num_heads=2)
     # bins 0 and 1 chose the same tree: merged, one threshold left; in bin 2 no tree beats plain decoding, so it
-    # drafts the tree of best speed-up (< 1), the 1-node one, stored once under bin 0's id
+    # drafts nothing (the schedule's reserved last entry "none"); its best tree (< 1), the 1-node one, is kept
+    # in the set under bin 0's id
     assert choices[2].scheduled.num_nodes == 1 and choices[2].scheduled.speedup < 1
-    assert ts.schedule.tree_ids == ("b0n4", "b0n1") and ts.schedule.thresholds == (0.9,)
-    assert bin_ids == ["b0n4", "b0n4", "b0n1"] and ts.schedule.hysteresis == 0.1
+    assert ts.schedule.tree_ids == ("b0n4", "none") and ts.schedule.thresholds == (0.9,)
+    assert bin_ids == ["b0n4", "b0n4", "none"] and ts.schedule.hysteresis == 0.1
     assert ts.get("b0n1") == Tree([[0]]) and ts.get("b0n4") == Tree([[0], [1], [0, 0], [0, 1]])
     md = ts.metadata["b0n4"]
     assert md["expected_tokens_per_step_per_bin"][0] == pytest.approx(1 + 0.9 + 0.05 + 0.72 + 0.09, abs=1e-4)
     assert md["cost"]["total"] == pytest.approx(1.17) and md["chosen_in_bins"] == [0, 1]
-    assert "calibration" in ts.metadata[ts.ids[0]] and "no drafting would be better" in ts.description
+    assert "calibration" in ts.metadata[ts.ids[0]] and "none (no tree is expected to beat" in ts.description
     sched = TreeScheduler.from_config(EntMTPConfig(policy="entropy", tree_set=str(path)), ts)
-    assert sched.ladder_ids == ["b0n4", "b0n1"] and sched.bin_of(0.5) == 0 and sched.bin_of(1.0) == 1
+    assert sched.ladder_ids == ["b0n4", "none"] and sched.bin_of(0.5) == 0 and sched.bin_of(1.0) == 1
+    from vllm_entmtp.entropy import Signals
+    sig = [Signals(entropy_ema=e, entropy_last=e, updates=5) for e in (0.5, 1.0)]
+    assert sched.choose(["a", "b"], sig) == [("b0n4", ts.get("b0n4")), (None, None)]
     table = C.summary_table(choices, bin_ids)
-    assert "b0n1*" in table and "bonus" in table
+    assert "no tree beats plain decoding (best: 1 nodes" in table and "bonus" in table
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +244,7 @@ def test_build_trees_bad_inputs(tiny_model, tmp_path):
     for opt in (["--node-budgets", "0,2"], ["--max-tokens", "1"], ["--entropy-edges", "0.5,0.2"]):
         with pytest.raises(SystemExit):
             _build(tmp_path, model, tmp_path / "wide", "--prompt-set", "humaneval", *opt)
+
+
+def test_verification_times_are_made_monotone():
+    assert C.monotone_times({0: 1.0, 1: 1.2, 2: 1.1, 4: 1.5, 3: 1.4}) == {0: 1.0, 1: 1.2, 2: 1.2, 3: 1.4, 4: 1.5}

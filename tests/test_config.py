@@ -42,8 +42,16 @@ def test_defaults_use_registered_heads(spec_cls, target_model_config, default_he
     from vllm_entmtp.heads.formats import read_any_heads_config
 
     assert sc.entmtp_heads == default_heads and sc.model == default_heads
-    assert sc.num_speculative_tokens == read_any_heads_config(default_heads).num_heads
+    # no fixed draft asked for: EntMTP's entropy scheduling over the default tree set; a step carries at most
+    # the largest tree of its schedule
+    from vllm_entmtp.trees import load_tree_set
+
+    ts = load_tree_set("default", num_heads=read_any_heads_config(default_heads).num_heads)
+    assert sc.entmtp.policy == "entropy" and sc.entmtp.tree_set == "default"
+    assert sc.num_speculative_tokens == max(ts.get(t).num_nodes for t in ts.schedule.tree_ids if t != "none")
     assert sc.entmtp.draft_confidence_threshold == 0.0
+    chains = _make(spec_cls, target_model_config, method="entmtp", num_speculative_tokens=2)
+    assert chains.entmtp.policy == "static" and chains.num_speculative_tokens == 2  # a fixed draft: chains
     assert sc.method == "medusa"  # entmtp runs on vLLM's medusa plumbing (vllm_entmtp/patches/config.py)
 
 
@@ -115,13 +123,13 @@ def test_vllm_serve_fails_at_startup_on_a_bad_option(default_model):
 
 def test_tree_options_size_the_step(spec_cls, target_model_config, tmp_path):
     make_heads(tmp_path, num_heads=4)
-    sc = _make(spec_cls, target_model_config, method="entmtp", model=str(tmp_path), tree_set="default",
+    sc = _make(spec_cls, target_model_config, method="entmtp", model=str(tmp_path), tree_set="ladder",
                tree_id="mc6")
     assert sc.num_speculative_tokens == 6 and len(sc.entmtp_tree) == 6 and sc.entmtp_tree_id == "mc6"
-    sc = _make(spec_cls, target_model_config, method="entmtp", model=str(tmp_path), tree_set="default",
+    sc = _make(spec_cls, target_model_config, method="entmtp", model=str(tmp_path), tree_set="ladder",
                policy="entropy")
     assert sc.num_speculative_tokens == 24 and sc.entmtp_tree is None  # the ladder's largest tree
-    assert sc.entmtp_tree_set_path.endswith("default.json")
+    assert sc.entmtp_tree_set_path.endswith("ladder.json")
     sc = _make(spec_cls, target_model_config, method="entmtp", model=str(tmp_path), tree=[[0], [1], [0, 0]])
     assert sc.num_speculative_tokens == 3 and sc.entmtp_tree == [[0], [1], [0, 0]]
 

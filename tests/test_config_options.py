@@ -15,7 +15,7 @@ def parse(**options):
 def test_defaults_keep_todays_behaviour():
     c = parse()
     assert (c.policy, c.entropy_window, c.acceptance_window, c.hysteresis, c.warmup_steps,
-            c.max_verify_tokens_per_step) == ("static", 16, 8, 0.05, 2, None)
+            c.max_verify_tokens_per_step) == ("auto", 16, 8, 0.05, 2, None)
     assert c.tree_set is None and c.draft_confidence_threshold == 0.0
     for k in ("policy", "entropy_window", "acceptance_window", "hysteresis", "warmup_steps",
               "max_verify_tokens_per_step"):
@@ -42,8 +42,8 @@ def test_non_static_policy_needs_tree_set(policy):
 
 
 @pytest.mark.parametrize("options,message", [
-    (dict(policy="greedy"), r"policy='greedy': Input should be 'static', 'entropy' or 'confidence'; allowed: policy "
-                            r"\('static' \| 'entropy' \| 'confidence'; default 'static'\)"),
+    (dict(policy="greedy"), r"policy='greedy': Input should be 'auto', 'static', 'entropy' or 'confidence'; allowed: "
+                            r"policy \('auto' \| 'static' \| 'entropy' \| 'confidence'; default 'auto'\)"),
     (dict(entropy_window=0), r"entropy_window=0: Input should be greater than or equal to 1; allowed: entropy_window "
                              r"\(int, >= 1; default 16\)"),
     (dict(entropy_window=True), r"entropy_window=True: Input should be a valid integer"),
@@ -60,8 +60,9 @@ def test_bad_values_are_named_with_the_allowed_range(options, message):
 
 
 def test_unknown_key_lists_the_new_keys_too():
-    with pytest.raises(EntMTPConfigError, match=r"unknown key\(s\) \['polcy'\].*policy \('static' \| 'entropy' \| "
-                                                r"'confidence'; default 'static'\).*max_verify_tokens_per_step.*"
+    with pytest.raises(EntMTPConfigError, match=r"unknown key\(s\) \['polcy'\].*policy \('auto' \| 'static' \| "
+                                                r"'entropy' \| 'confidence'; default 'auto'\).*"
+                                                r"max_verify_tokens_per_step.*"
                                                 r"vLLM's own keys: method, model, num_speculative_tokens"):
         parse(polcy="entropy")
 
@@ -70,3 +71,16 @@ def test_several_errors_are_reported_together():
     with pytest.raises(EntMTPConfigError) as e:
         parse(entropy_window=0, warmup_steps=-1)
     assert "entropy_window=0" in str(e.value) and "warmup_steps=-1" in str(e.value)
+
+
+def test_auto_policy_schedules_unless_a_fixed_draft_is_asked_for():
+    from vllm_entmtp.config import resolve_policy
+
+    auto = resolve_policy(parse(), num_speculative_tokens_given=False, num_heads=4)
+    assert (auto.policy, auto.tree_set) == ("entropy", "default")
+    assert resolve_policy(parse(tree_set="medusa63"), False, 4).policy == "entropy"
+    for opts, n_given in ((dict(tree=[[0], [1]]), False), (dict(tree_set="default", tree_id="chain2"), False),
+                          ({}, True), (dict(draft_confidence_threshold=0.2), False)):
+        assert resolve_policy(parse(**opts), n_given, 4).policy == "static", opts
+    assert resolve_policy(parse(), False, num_heads=1).policy == "static"  # the default set is deeper: chains
+    assert resolve_policy(parse(policy="confidence", tree_set="default"), True, 4).policy == "confidence"

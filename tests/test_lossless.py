@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from vllm_entmtp.datasets import load_prompts
-from vllm_entmtp.patches.runner import REQUEST_DRAFT_TOKENS_KEY
+from vllm_entmtp.patches.runner import REQUEST_DRAFT_TOKENS_KEY, REQUEST_TREE_KEY
 
 pytestmark = pytest.mark.engine
 
@@ -49,14 +49,23 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     prompts = _prompts()
     convs = [p.messages for p in prompts]
     caps = [{REQUEST_DRAFT_TOKENS_KEY: [0, 3, 99][i % 3]} for i in range(len(convs))]
+    # c4: a third draft nothing, a third are held to one tree of the set that the schedule never picks
+    # (per-request override), a third follow the schedule
+    from vllm_entmtp.trees import load_tree_set
+
+    ts = load_tree_set("default")
+    forced = max((t for t in ts.ids if t not in ts.schedule.tree_ids), key=lambda t: ts.get(t).num_nodes)
+    mixed = [[{REQUEST_DRAFT_TOKENS_KEY: 0}, {REQUEST_TREE_KEY: forced}, {}][i % 3] for i in range(len(convs))]
     plain = _run(tmp, "plain", default_model, None,
                  [{"name": "bs1", "concurrency": 1}, {"name": "stop", "concurrency": 16, "stop": STOP}], convs)
-    chain = _run(tmp, "chain", default_model, {"method": "entmtp", "model": shipped_heads["medusa"]},
+    chain = _run(tmp, "chain", default_model, {"method": "entmtp", "model": shipped_heads["medusa"],
+                                               "num_speculative_tokens": 4},
                  [{"name": "c8", "concurrency": 8, "extra_args": caps}], convs)
     tree = _run(tmp, "tree", default_model, {"method": "entmtp", "tree_set": "default", "policy": "entropy"},
-                [{"name": "bs1", "concurrency": 1}, {"name": "c4", "concurrency": 4, "extra_args": caps},
+                [{"name": "bs1", "concurrency": 1}, {"name": "c4", "concurrency": 4, "extra_args": mixed},
                  {"name": "c16", "concurrency": 16, "extra_args": caps},
                  {"name": "stop", "concurrency": 16, "stop": STOP}], convs)
+    tree["forced"] = forced
     return prompts, plain, {"chain": chain, "tree": tree}
 
 
@@ -94,6 +103,16 @@ def test_trees_are_verified_through_non_first_branches(runs):
     assert stats["scheduler"]["switches"] > 0  # the scheduler moved requests between trees
     assert stats["tracked_requests"] <= 16  # per-request state is freed with the requests
     assert runs[2]["chain"]["c8"]["tree_stats"]["tree_steps"] == 0  # chains go through vLLM's own sampler
+
+
+def test_a_request_can_be_held_to_one_tree(runs):
+    """Requests of the c4 phase asking for a tree of the set that its schedule never picks (extra_args) drafted
+    it (as itself, or cut to the node budget), and their output stayed exact (test above)."""
+    tree = runs[2]["tree"]
+    forced = tree["forced"]
+    chosen = tree["c4"]["tree_stats"]["chosen"]
+    assert not any(t.split("@")[0] == forced for t in tree["bs1"]["tree_stats"]["chosen"])
+    assert sum(n for t, n in chosen.items() if t.split("@")[0] == forced) >= 10, (forced, chosen)
 
 
 def test_per_tree_counters_reach_prometheus(runs):

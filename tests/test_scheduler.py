@@ -63,7 +63,7 @@ def test_fallback_ladder_by_size_with_even_thresholds():
     c = TreeScheduler(_set(), "confidence", warmup_steps=0)
     assert c.thresholds == pytest.approx([0.75, 0.5, 0.25])
     assert fallback_thresholds(1) == [] and fallback_thresholds(3) == pytest.approx([0.4, 0.8])
-    shipped = TreeScheduler(load_tree_set("default"), "entropy")
+    shipped = TreeScheduler(load_tree_set("ladder"), "entropy")
     assert shipped.ladder_ids == ["mc24", "mc12", "mc6", "chain2", "chain1"] and shipped.default_tree_id == "mc24"
 
 
@@ -217,3 +217,26 @@ def test_from_config_end_to_end_with_a_schedule_file(tmp_path):
     tr.update_batch(["a", "b"], [0.1, 0.5])
     out = s.choose(["a", "b"], tr.signals_batch(["a", "b"]), s.node_budget(2))  # 8 nodes budget
     assert ids(out) == ["mid", "mid"] and s.warmup_steps == 1 and s.hysteresis == 0.05
+
+
+def test_a_schedule_ending_in_none_drafts_nothing_there_and_none_is_reserved(tmp_path):
+    from vllm_entmtp.errors import TreeSetError
+
+    def write(tree_ids, names=("a", "b")):
+        f = tmp_path / "s.json"
+        f.write_text(json.dumps({
+            "schema_version": 1, "name": "s", "heads": {"kind": "hydra", "num_heads": 4},
+            "trees": [{"id": n, "paths": [[0]] if i == 0 else [[0], [1]],
+                       "metadata": {"num_nodes": i + 1, "depth": 1}} for i, n in enumerate(names)],
+            "schedule": {"signal": "entropy", "thresholds": [0.5 * (i + 1) for i in range(len(tree_ids) - 1)],
+                         "tree_ids": tree_ids}}))
+        return f
+
+    s = TreeScheduler(load_tree_set(write(["b", "a", "none"])), "entropy", warmup_steps=0, hysteresis=0.0)
+    sig = [Signals(entropy_ema=e, updates=3) for e in (0.1, 0.7, 2.0)]
+    assert [t for t, _ in s.choose(["x", "y", "z"], sig)] == ["b", "a", None]
+    assert s.choose(["x"], [sig[0]], budget_nodes=1) == [("a", Tree([[0]]))]  # steps down past b, 1 node left
+    with pytest.raises(TreeSetError, match="'none' .* must be the last"):
+        load_tree_set(write(["none", "a", "b"]))
+    with pytest.raises(TreeSetError, match="a tree is named 'none'"):
+        load_tree_set(write(["a", "none"], names=("a", "none")))

@@ -203,7 +203,7 @@ def test_path_deeper_than_the_loaded_heads(tmp_path):
 
 
 def test_unknown_name_lists_the_available_ones():
-    with pytest.raises(TreeSetError, match=r"unknown tree set 'nope'.*available: .*chain4, default, medusa63, small"):
+    with pytest.raises(TreeSetError, match=r"unknown tree set 'nope'.*available: .*chain4, .*default, .*ladder, medusa63, .*small"):
         load_tree_set("nope")
 
 
@@ -237,7 +237,7 @@ def test_schedule_is_optional_and_loaded(tmp_path):
     assert ts.schedule.signal == "confidence" and ts.schedule.hysteresis is None
     ts = load_tree_set(_write(tmp_path, _scheduled(thresholds=[1], tree_ids=["a", "c"])))  # JSON int is a number
     assert ts.schedule.thresholds == (1.0,) and ts.ids == ["a", "b", "c"]  # trees keep file order
-    for name in ["chain4", "default", "medusa63", "small"]:
+    for name in ["chain4", "ladder", "medusa63", "small"]:
         assert load_tree_set(name).schedule is None
 
 
@@ -279,11 +279,12 @@ def test_schedule_without_tree_ids_key_is_refused(tmp_path):
 # -- shipped tree sets ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["chain4", "small", "medusa63", "default"])
+@pytest.mark.parametrize("name", ["chain4", "small", "medusa63", "ladder", "default", "humaneval", "gsm8k",
+                                  "sharegpt", "creative"])
 def test_shipped_sets_load_against_four_heads(name):
     assert (shipped_trees_dir() / f"{name}.json").is_file()
     ts = load_tree_set(name, num_heads=4)
-    assert ts.heads_kind == "medusa" and ts.num_heads == 4 and len(ts) >= 1
+    assert ts.heads_kind in ("medusa", "hydra") and ts.num_heads == 4 and len(ts) >= 1
     for _, t in ts.trees:
         assert t.depth <= 4
 
@@ -301,11 +302,15 @@ def test_shipped_contents():
     assert mc == Tree(MC_SIM_7B_63) and mc.num_nodes == 63 and mc.depth == 4
     raw = json.loads((shipped_trees_dir() / "medusa63.json").read_text())
     assert raw["trees"][0]["paths"] == MC_SIM_7B_63  # stored in Medusa's own order
-    default = load_tree_set("default")
-    assert [t.num_nodes for _, t in default.trees] == [1, 2, 6, 12, 24]
-    assert default.get("chain1") == Tree.chain(1) and default.get("chain2") == Tree.chain(2)
-    for _, t in default.trees:
+    ladder = load_tree_set("ladder")
+    assert [t.num_nodes for _, t in ladder.trees] == [1, 2, 6, 12, 24]
+    assert ladder.get("chain1") == Tree.chain(1) and ladder.get("chain2") == Tree.chain(2)
+    for _, t in ladder.trees:
         assert t == Tree(MC_SIM_7B_63[:t.num_nodes])  # the first n nodes of Medusa's greedy order
+    for name in ("default", "humaneval", "gsm8k", "sharegpt", "creative"):  # calibrated: build-trees
+        ts = load_tree_set(name, num_heads=4)
+        assert ts.heads_kind == "hydra" and ts.schedule is not None and ts.schedule.signal == "entropy", name
+        assert "calibration" in ts.metadata[ts.ids[0]] and (shipped_trees_dir() / "plots" / f"{name}.png").is_file()
     for tid, t in load_tree_set("small").trees:
         assert 6 <= t.num_nodes <= 10 and t.depth <= 4, tid
 

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from vllm_entmtp.trees import NO_DRAFT_ID
+
 STATS_VERSION = 1
 RANK_STORE_CAP = 1024
 """Ranks are stored capped at this value, so ``--max-rank`` up to it can change without recomputing."""
@@ -521,6 +523,40 @@ def measure_verify_times(model, sizes: Sequence[int], context_tokens: int = 256,
     return {n: statistics.median(v) for n, v in times.items()}
 
 
+def monotone_times(times: dict[int, float]) -> dict[int, float]:
+    """Verification times made non-decreasing in the node count (a running maximum): verifying more nodes is
+    never cheaper, so a smaller median for more nodes is timing noise on a shared machine."""
+    out, hi = {}, 0.0
+    for n in sorted(times):
+        hi = max(hi, times[n])
+        out[n] = hi
+    return out
+
+
+def use_vllm_cpu_gemm(model) -> bool:
+    """Run every float32 ``nn.Linear`` of ``model`` (the lm_head included) through vLLM's CPU GEMM (oneDNN
+    ``onednn_mm``, what vLLM's CPU backend uses for these layers), so that verification costs are timed with
+    the kernels that serve them: torch's own small-M GEMM costs differ a lot (on an AVX2 CPU, 2 or 3 rows of the
+    lm_head take 2-3x one row in torch, ~1.2x in oneDNN). In place; False (nothing changed) when vLLM or its
+    oneDNN ops are not available."""
+    try:
+        from vllm import _custom_ops as ops
+    except Exception:  # noqa: BLE001 - no vLLM, or no CPU build of it
+        return False
+    if not getattr(ops, "_supports_onednn", False):
+        return False
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32:
+            handle = ops.create_onednn_mm(m.weight.t(), 32)
+
+            def forward(x, _h=handle, _b=m.bias):
+                y = ops.onednn_mm(_h, x.reshape(-1, x.shape[-1]).contiguous(), _b)
+                return y.reshape(*x.shape[:-1], y.shape[-1])
+
+            m.forward = forward
+    return True
+
+
 def make_drafter(heads, view: TargetView):
     """The runtime drafter (:mod:`vllm_entmtp.proposer`) for ``heads`` over the transformers target."""
     from vllm_entmtp.heads.hydra import HydraHeads
@@ -588,9 +624,9 @@ class Candidate:
 
 @dataclass
 class BinChoice:
-    """The candidates of a bin, its Pareto frontier, the chosen tree (None: no drafting is best) and the tree
-    the schedule gives the bin: the chosen one or, as a schedule has no "no drafting" entry, the tree with the
-    best speed-up even though it is below 1."""
+    """The candidates of a bin, its Pareto frontier, the chosen tree (None: no drafting is best) and the best
+    tree even when it is below 1 (``scheduled``; reported, and kept in the set for static use). The schedule
+    gives a bin whose ``chosen`` is None the reserved entry "none" (no drafting)."""
 
     stats: BinStats
     candidates: list[Candidate]
@@ -671,7 +707,18 @@ def build_tree_set(choices: list[BinChoice], *, name: str, heads_kind: str, num_
     thresholds: list[float] = []
     extra: dict[str, tuple[tuple[Path_, ...], Candidate]] = {}
     bin_ids: list[str] = []
+    no_draft = False
     for b in choices:
+        # a bin where drafting nothing is best, and every bin of higher entropy, draft nothing (the reserved
+        # last entry "none" of a schedule)
+        no_draft = no_draft or b.chosen is None
+        if no_draft:
+            if not ladder or ladder[-1][0] != NO_DRAFT_ID:
+                if ladder:
+                    thresholds.append(float(b.stats.lo))
+                ladder.append((NO_DRAFT_ID, ()))
+            bin_ids.append(NO_DRAFT_ID)
+            continue
         key = b.scheduled.key
         tid = entries[key][0]
         if ladder and ladder[-1][1] == key:
@@ -695,8 +742,8 @@ def build_tree_set(choices: list[BinChoice], *, name: str, heads_kind: str, num_
     if hysteresis is not None:
         sched["hysteresis"] = float(hysteresis)
     summary = "; ".join(
-        f"bin {b.stats.index} H in {b.stats.range_str()}: {tid}" + (" (no drafting would be better)"
-                                                                   if b.chosen is None else "")
+        f"bin {b.stats.index} H in {b.stats.range_str()}: "
+        + ("none (no tree is expected to beat plain decoding)" if tid == NO_DRAFT_ID else tid)
         for b, tid in zip(choices, bin_ids))
     desc = (f"Built by vllm-entmtp build-trees from {calibration['prompts']} ({calibration['positions']} "
             f"positions) for {heads_kind} heads: per entropy bin, greedy trees at each node budget, their Pareto "
@@ -759,14 +806,18 @@ def summary_table(choices: list[BinChoice], bin_ids: Sequence[str]) -> str:
     notes = []
     for b, tid in zip(choices, bin_ids):
         c = b.scheduled
-        mark = "*" if b.chosen is None else ""
+        if tid == NO_DRAFT_ID:
+            rows.append(f"{b.stats.index:>3}  {b.stats.range_str():<17} {b.stats.positions:>9} "
+                        f"{b.stats.mean_entropy:>7.3f}  {'none':<8} {0:>5} {0:>5} {1.0:>8.3f} {1.0:>6.3f} "
+                        f"{'':<15} {1.0:>8.3f}")
+            notes.append(f"* bin {b.stats.index}: no tree beats plain decoding (best: {c.num_nodes} nodes, "
+                         f"{c.tokens_per_step:.3f} tokens/step at cost {c.cost:.3f}, x{c.speedup:.3f}); it drafts "
+                         "nothing")
+            continue
         rows.append(f"{b.stats.index:>3}  {b.stats.range_str():<17} {b.stats.positions:>9} "
-                    f"{b.stats.mean_entropy:>7.3f}  {tid + mark:<8} {c.num_nodes:>5} {max(map(len, c.paths)):>5} "
+                    f"{b.stats.mean_entropy:>7.3f}  {tid:<8} {c.num_nodes:>5} {max(map(len, c.paths)):>5} "
                     f"{c.tokens_per_step:>8.3f} {c.cost:>6.3f} ({c.verify_cost:.3f}+{c.draft_cost:.3f}){'':<2} "
                     f"{c.speedup:>8.3f}")
-        if b.chosen is None:
-            notes.append(f"* bin {b.stats.index}: no drafting (speed-up 1.000) beats every tree; the schedule has "
-                         f"no 'no drafting' entry, so the bin drafts the tree with the best speed-up below 1")
     rows.append("tok/step: expected tokens per step incl. the bonus token; cost: step time relative to a plain "
                 "decode step; speed-up = tok/step / cost (no drafting = 1.000)")
     return "\n".join(rows + notes)
@@ -837,6 +888,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV-cache tokens before the timed verification forwards (default: %(default)s)")
     p.add_argument("--cost-repeats", type=_positive(int), default=7,
                    help="timed runs per size; the median is used (default: %(default)s)")
+    p.add_argument("--gemm", choices=("vllm", "torch"), default="vllm",
+                   help="linear layers of the timed verification forward: vllm = vLLM's CPU GEMM (oneDNN), as "
+                        "served (default; falls back to torch when unavailable); torch = transformers' own")
     p.add_argument("--threads", type=_positive(int), default=None,
                    help="torch threads for everything, timings included (default: torch's, e.g. OMP_NUM_THREADS)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random cost context (default: %(default)s)")
@@ -925,7 +979,11 @@ def _run(args: argparse.Namespace) -> int:
     sizes = sorted({0} | {c.num_nodes for cs in cands.values() for c in cs})
     _log(f"timing verification of {', '.join(map(str, sizes))} draft nodes over a {args.cost_context}-token "
          f"context ({args.cost_repeats} runs each, {torch.get_num_threads()} thread(s))")
-    verify_s = measure_verify_times(model, sizes, args.cost_context, args.cost_repeats, seed=args.seed)
+    gemm = "vllm" if args.gemm == "vllm" and use_vllm_cpu_gemm(model) else "torch"
+    if args.gemm == "vllm" and gemm != "vllm":
+        _log("vLLM's CPU GEMM (oneDNN) is not available here: timing with torch's")
+    verify_s = monotone_times(measure_verify_times(model, sizes, args.cost_context, args.cost_repeats,
+                                                   seed=args.seed))
     distinct = list({c.key: Tree(c.key) for cs in cands.values() for c in cs}.items())
     first = records[0]
     hid = greedy_continuation(view, render_prompt(tokenizer, prompts[0]["messages"], args.max_prompt_tokens), 1)[1]
@@ -949,7 +1007,7 @@ def _run(args: argparse.Namespace) -> int:
         "entropy_edges": list(edges), "node_budgets": budgets,
         "bins": [b.to_json() for b in bins],
         "cost": {"threads": torch.get_num_threads(), "context_tokens": args.cost_context,
-                 "repeats": args.cost_repeats, "plain_decode_ms": round(base * 1e3, 3),
+                 "repeats": args.cost_repeats, "gemm": gemm, "plain_decode_ms": round(base * 1e3, 3),
                  "verify_ms": {str(n): round(s * 1e3, 3) for n, s in verify_s.items()},
                  "measured_with": "transformers float32 forward with KV cache (causal mask over the N+1 new "
                                   "tokens, logits for each) and the runtime drafter; not vLLM"},

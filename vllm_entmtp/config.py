@@ -46,14 +46,16 @@ class EntMTPConfig(BaseModel):
         description="Per request and step, the draft chain stops before the first head whose path "
                     "confidence (product of the heads' top-1 probabilities along the chain) falls below this "
                     "value, so a request may carry fewer draft tokens, or none. 0 drafts every head.")
-    policy: Literal["static", "entropy", "confidence"] = Field(
-        default="static",
+    policy: Literal["auto", "static", "entropy", "confidence"] = Field(
+        default="auto",
         description="How a request's tree is chosen each step. 'static': every request drafts the same tree "
                     "(tree_id, tree, or chains). 'entropy': thresholds on the EMA of the target's next-token "
                     "entropy pick a tree of tree_set (low entropy -> larger tree). 'confidence': thresholds on "
                     "the heads' path confidence (product of their top-1 probabilities) do. The thresholds come "
                     "from the tree set's 'schedule' (docs/trees.md) or, without one, a ladder of its trees by "
-                    "size. Needs tree_set unless 'static'.")
+                    "size. 'auto': 'static' when a fixed draft is asked for (tree, tree_id, "
+                    "num_speculative_tokens or draft_confidence_threshold given), else 'entropy' over tree_set "
+                    "(default: the 'default' set). Needs tree_set if 'entropy' or 'confidence'.")
     entropy_window: StrictInt = Field(
         default=16, ge=1,
         description="Window W of the per-request bias-corrected EMA of the entropy (beta = 1 - 1/W); also of "
@@ -78,10 +80,39 @@ class EntMTPConfig(BaseModel):
 
     @model_validator(mode="after")
     def _policy_needs_tree_set(self) -> EntMTPConfig:
-        if self.policy != "static" and self.tree_set is None:
+        if self.policy in ("entropy", "confidence") and self.tree_set is None:
             raise ValueError(f"policy={self.policy!r} chooses among the trees of a tree set: give 'tree_set' "
                              f"too (e.g. \"tree_set\": \"default\"), or use policy 'static'")
         return self
+
+
+DEFAULT_TREE_SET = "default"
+
+
+def resolve_policy(options: EntMTPConfig, num_speculative_tokens_given: bool, num_heads: int | None = None
+                   ) -> EntMTPConfig:
+    """``policy: "auto"`` made concrete (other policies are returned as they are).
+
+    ``"static"`` when the user asked for a fixed draft: ``tree``, ``tree_id``, vLLM's ``num_speculative_tokens``
+    (chains of that length) or ``draft_confidence_threshold`` (a chain option); otherwise ``"entropy"``, EntMTP's
+    scheduling, over ``tree_set`` or, when none is given, :data:`DEFAULT_TREE_SET` if its trees fit heads of
+    ``num_heads`` (else ``"static"`` chains: the default set is deeper than the heads).
+    """
+    if options.policy != "auto":
+        return options
+    fixed = (options.tree is not None or options.tree_id is not None or num_speculative_tokens_given
+             or options.draft_confidence_threshold > 0.0)
+    if not fixed and options.tree_set is None:
+        from vllm_entmtp.errors import TreeSetError
+        from vllm_entmtp.trees import load_tree_set
+
+        try:
+            load_tree_set(DEFAULT_TREE_SET, num_heads=num_heads)
+        except TreeSetError:
+            fixed = True
+    if fixed:
+        return options.model_copy(update={"policy": "static"})
+    return options.model_copy(update={"policy": "entropy", "tree_set": options.tree_set or DEFAULT_TREE_SET})
 
 
 def entmtp_keys() -> list[str]:

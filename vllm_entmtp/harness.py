@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
     JOB: ``{"model": dir, "speculative_config": {...} | null, "dtype": "float32", "max_model_len": 1024,
     "max_num_seqs": 8, "conversations": [[{"role":..., "content":...}], ...], "max_tokens": 64,
-    "phases": [{"name": "bs1", "concurrency": 1, "extra_args": [...] | null, "stop": [...] | null}, ...]}``.
+    "phases": [{"name": "bs1", "concurrency": 1, "extra_args": [...] | null, "stop": [...] | null,
+    "prompts": [indices into conversations] | null}, ...]}``.
     OUT: ``{phase name: generate_chat(...) result}``; spec counters are per phase (differences).
     """
     import sys
@@ -133,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
                    max_model_len=job.get("max_model_len", 1024), max_num_seqs=job.get("max_num_seqs", 8))
     results, before = {}, SpecDecodeCounts()
     for phase in job["phases"]:
-        r = generate_chat(llm, job["conversations"], max_tokens=job["max_tokens"],
+        convs = job["conversations"]
+        if phase.get("prompts") is not None:  # a subset of the conversations, by index
+            convs = [convs[i] for i in phase["prompts"]]
+        r = generate_chat(llm, convs, max_tokens=job["max_tokens"],
                           concurrency=phase["concurrency"], extra_args=phase.get("extra_args"),
                           stop=phase.get("stop"))
         total = SpecDecodeCounts(**r["spec"])

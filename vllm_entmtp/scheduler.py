@@ -11,7 +11,8 @@ the whole batch (EMA, warm-up, hysteresis; ``docs/advanced_features/adaptive_spe
 
 Ladder and thresholds:
 
-- The tree set's ``schedule`` (``docs/trees.md``) when it has one; its ``signal`` must be the policy's.
+- The tree set's ``schedule`` (``docs/trees.md``) when it has one; its ``signal`` must be the policy's. Its
+  last entry may be ``"none"``: requests in that bin draft nothing (where no tree is expected to pay).
 - Otherwise the *fallback ladder*: every tree of the set, largest node count first (equal sizes keep file
   order), with thresholds evenly spaced: for ``K`` trees, ``lo + (hi - lo) * i / K`` for ``i = 1..K-1`` over
   the entropy range ``(lo, hi)`` (default ``(0.0, 1.2)`` nats: EntMTP's logged mean block-start entropies are
@@ -48,7 +49,7 @@ from typing import Any
 
 from vllm_entmtp.entropy import Signals, drop_missing
 from vllm_entmtp.errors import EntMTPError
-from vllm_entmtp.trees import Tree, TreeSet
+from vllm_entmtp.trees import NO_DRAFT_ID, Tree, TreeSet
 
 POLICIES = ("static", "entropy", "confidence")
 DEFAULT_MAX_VERIFY_TOKENS = 64
@@ -138,12 +139,13 @@ class TreeScheduler:
                                              entropy_range)
             self.ladder_source = "fallback"
         self.ladder_ids: list[str] = ids
-        self.ladder: list[Tree] = [tree_set.get(i) for i in ids]
+        # a schedule may end with "none": that bin drafts nothing
+        self.ladder: list[Tree | None] = [None if i == NO_DRAFT_ID else tree_set.get(i) for i in ids]
         self.thresholds: list[float] = thresholds
         # scores and thresholds in increasing orientation (confidence is negated)
         self._sign = -1.0 if policy == "confidence" else 1.0
         self._edges = [self._sign * t for t in thresholds]
-        self._nodes = [t.num_nodes for t in self.ladder]
+        self._nodes = [t.num_nodes if t is not None else 0 for t in self.ladder]
 
         if hysteresis is None:
             hysteresis = sched.hysteresis if sched is not None and sched.hysteresis is not None \
@@ -252,7 +254,8 @@ class TreeScheduler:
         if budget_nodes is not None:
             self._fit(bins, budget_nodes)
         k = len(self.ladder)
-        return [(self.ladder_ids[b], self.ladder[b]) if b < k else (None, None) for b in bins]
+        return [(self.ladder_ids[b], self.ladder[b]) if b < k and self.ladder[b] is not None else (None, None)
+                for b in bins]
 
     def _fit(self, bins: list[int], budget: int) -> None:
         """Step bins down in place until the nodes fit ``budget`` (bin ``K`` = no drafting, 0 nodes)."""

@@ -17,6 +17,9 @@ class TreeStats:
     kv_slots_moved: int = 0        # accepted nodes whose K/V was moved to a consecutive slot
     per_tree: dict = field(default_factory=dict)  # tree id -> [steps, nodes, accepted]
     chosen: dict = field(default_factory=dict)  # tree id ("none": no drafting) -> request-steps it was chosen
+    # tree id -> [n, sum x, sum y, sum xy, sum xx, sum yy] of (entropy EMA at the choice, nats; accepted draft
+    # tokens of that draft, bonus excluded): the correlation of the tracked entropy with the next acceptance
+    signal_pairs: dict = field(default_factory=dict)
 
     def record_choice(self, tree_id: str | None) -> None:
         """One request-step's proposal (chains and "none" included), for the share of steps per tree."""
@@ -36,10 +39,37 @@ class TreeStats:
         entry[1] += num_nodes
         entry[2] += len(path)
 
+    def record_signal(self, tree_id: str, entropy: float, accepted: int) -> None:
+        """One drafting step of a request: its entropy EMA (nats) when its tree was chosen, and how many of the
+        draft tokens were accepted (bonus excluded)."""
+        v = self.signal_pairs.setdefault(tree_id, [0, 0.0, 0.0, 0.0, 0.0, 0.0])
+        x, y = float(entropy), float(accepted)
+        v[0] += 1
+        v[1] += x
+        v[2] += y
+        v[3] += x * y
+        v[4] += x * x
+        v[5] += y * y
+
     def as_dict(self) -> dict:
         d = asdict(self)
         d["per_tree"] = {k: {"steps": v[0], "nodes": v[1], "accepted": v[2]} for k, v in self.per_tree.items()}
+        pooled = [sum(col) for col in zip(*self.signal_pairs.values())] if self.signal_pairs else None
+        d["entropy_acceptance"] = {
+            **{k: pearson(*v) for k, v in self.signal_pairs.items()},
+            **({"all": pearson(*pooled)} if pooled else {})}
         return d
+
+
+def pearson(n: float, sx: float, sy: float, sxy: float, sxx: float, syy: float) -> dict:
+    """``{"n", "mean_entropy", "mean_accepted", "r"}`` from running sums; ``r`` is None when undefined."""
+    out = {"n": int(n), "mean_entropy": sx / n if n else None, "mean_accepted": sy / n if n else None, "r": None}
+    if n >= 2:
+        cov = sxy - sx * sy / n
+        vx, vy = sxx - sx * sx / n, syy - sy * sy / n
+        if vx > 0 and vy > 0:
+            out["r"] = cov / (vx * vy) ** 0.5
+    return out
 
 
 def worker_stats(worker) -> dict:

@@ -432,6 +432,10 @@ def _where(raw: Any, loc: tuple[Any, ...]) -> str:
     return ".".join(str(x) if not isinstance(x, int) else f"[{x}]" for x in loc).replace(".[", "[") or "(top level)"
 
 
+#: In a schedule's ``tree_ids``, the last entry may be this reserved id: "draft nothing" in that bin.
+NO_DRAFT_ID = "none"
+
+
 def _check_schedule(f: Path, spec: _Schedule, ids: list[str]) -> Schedule:
     """Cross-field rules of ``schedule`` (the schema checked the types): sizes, order, known and unique ids."""
     where = f"tree set {f}: schedule"
@@ -440,7 +444,16 @@ def _check_schedule(f: Path, spec: _Schedule, ids: list[str]) -> Schedule:
         raise TreeSetError(f"{where}: {len(tids)} tree_ids need {len(tids) - 1} thresholds (one between each pair "
                            f"of neighbouring trees), got {len(th)}")
     seen: dict[str, int] = {}
+    if NO_DRAFT_ID in ids:
+        raise TreeSetError(f"tree set {f}: a tree is named {NO_DRAFT_ID!r}, which a schedule reserves for "
+                           "'no drafting'; rename it")
     for i, tid in enumerate(tids):
+        if tid == NO_DRAFT_ID:
+            if i != len(tids) - 1:
+                raise TreeSetError(f"{where}.tree_ids[{i}] {NO_DRAFT_ID!r} (no drafting) must be the last, most "
+                                   f"conservative entry of the ladder")
+            seen[tid] = i
+            continue
         if tid not in ids:
             raise TreeSetError(f"{where}.tree_ids[{i}] {tid!r} is not a tree of this set; it has "
                                f"{', '.join(map(repr, ids))}")

@@ -9,7 +9,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal, Union
 
-from vllm_entmtp.config import EntMTPConfigError, parse_entmtp_options, resolve_static_tree
+from vllm_entmtp.config import EntMTPConfigError, parse_entmtp_options, resolve_policy, resolve_static_tree
 from vllm_entmtp.errors import HeadsCheckpointError
 from vllm_entmtp.heads.formats import read_any_heads_config
 
@@ -136,6 +136,7 @@ def apply() -> None:
             raise EntMTPConfigError("method 'entmtp' needs the target model's config (target_model_config)")
         heads_dir = resolve_heads(self.model, self.target_model_config)
         heads_cfg = _check_heads_fit(heads_dir, self.target_model_config)
+        options = resolve_policy(options, self.num_speculative_tokens is not None, heads_cfg.num_heads)
         (self.num_speculative_tokens, tree_id, tree,
          self.entmtp_tree_set_path) = _draft_budget(options, heads_cfg, heads_dir, self.num_speculative_tokens)
         self.model = str(heads_dir)

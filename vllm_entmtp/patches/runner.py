@@ -30,6 +30,9 @@ logger = logging.getLogger("vllm_entmtp")
 
 #: ``SamplingParams.extra_args`` key (``vllm_xargs`` in the OpenAI API) capping one request's draft tokens.
 REQUEST_DRAFT_TOKENS_KEY = "entmtp_num_draft_tokens"
+#: ``extra_args`` key fixing one request's tree to a tree id of the scheduled tree set ("none": no drafting),
+#: instead of the scheduler's choice (ablations: every static tree and the schedule in one engine).
+REQUEST_TREE_KEY = "entmtp_tree_id"
 _SAMPLING_EPS = 1e-5
 
 
@@ -79,6 +82,7 @@ def _make_proposer_class():
             self.model = heads
             self.drafter = make_drafter(heads, target_model, spec.entmtp.draft_confidence_threshold)
             self.pending: dict[str, tuple[Tree, list[int]]] = {}
+            self._drafted_at: dict[str, tuple[str, float | None]] = {}  # request -> (tree id, entropy EMA)
             self._warned: set[str] = set()
             self.tree_stats = TreeStats()
             self.static_tree = Tree(spec.entmtp_tree) if spec.entmtp_tree else None
@@ -93,6 +97,11 @@ def _make_proposer_class():
                 from vllm_entmtp.trees import load_tree_set
 
                 tree_set = load_tree_set(spec.entmtp_tree_set_path, num_heads=heads.num_heads)
+                kind = "hydra" if type(heads).__name__ == "HydraHeads" else "medusa"
+                if tree_set.heads_kind != kind:
+                    logger.warning("entmtp: tree set %s was built for %s heads, these are %s heads: its trees and "
+                                   "thresholds are not tuned for them (vllm-entmtp build-trees makes a set for "
+                                   "them)", tree_set.source, tree_set.heads_kind, kind)
                 self.scheduler = TreeScheduler.from_config(spec.entmtp, tree_set)
                 self.tracker = EntropyTracker.from_config(spec.entmtp)
             if (self.static_tree is not None or self.scheduler is not None) \
@@ -130,6 +139,23 @@ def _make_proposer_class():
                         logger.warning("entmtp: request %s: %s=%r is not an int >= 0; ignored",
                                        req_id, REQUEST_DRAFT_TOKENS_KEY, v)
             return budgets
+
+        def _forced_tree(self, req_id: str) -> tuple | None:
+            """The request's ``extra_args[REQUEST_TREE_KEY]`` tree of the scheduled set, if it names one."""
+            extra = getattr(self._sampling_params(req_id), "extra_args", None) or {}
+            tid = extra.get(REQUEST_TREE_KEY)
+            if tid is None:
+                return None
+            if tid == "none":
+                return (None, None)
+            try:
+                return (tid, self.scheduler.tree_set.get(tid))
+            except Exception:  # noqa: BLE001 - a bad request must not take the engine down
+                if req_id not in self._warned:
+                    self._warned.add(req_id)
+                    logger.warning("entmtp: request %s: %s=%r is not a tree of %s; ignored", req_id,
+                                   REQUEST_TREE_KEY, tid, self.scheduler.tree_set.source)
+                return None
 
         def _sampling_params(self, req_id: str):
             req = self.runner.requests.get(req_id) if self.runner is not None else None
@@ -176,6 +202,10 @@ def _make_proposer_class():
                     self.pending[req_id] = (tree_id, tree, toks)
                 else:
                     self.pending.pop(req_id, None)
+            if self.scheduler is not None:  # the signal behind each draft; its acceptance comes next step
+                for req_id, (tree_id, _), toks, ent in zip(req_ids, chosen, drafts, self._choice_entropy):
+                    if toks and ent is not None:
+                        self._drafted_at[req_id] = (tree_id, ent)
             publish(self.tree_stats.as_dict())  # for /metrics (vllm_entmtp.metrics)
             return drafts
 
@@ -187,10 +217,18 @@ def _make_proposer_class():
             for i, rid in enumerate(req_ids):
                 if active is not None and not active[i]:
                     continue  # a prefill chunk: no new token, nothing to learn
-                self.tracker.update(rid, entropy[i] if entropy is not None else float("nan"), top1[i],
-                                    accepted[i] if accepted is not None else None)
-            choices = self.scheduler.choose(req_ids, self.tracker.signals_batch(req_ids),
-                                            self.scheduler.node_budget(len(req_ids)))
+                acc = accepted[i] if accepted is not None else None
+                self.tracker.update(rid, entropy[i] if entropy is not None else float("nan"), top1[i], acc)
+                prev = self._drafted_at.pop(rid, None)
+                if prev is not None and acc is not None:
+                    self.tree_stats.record_signal(prev[0], prev[1], acc)
+            signals = self.tracker.signals_batch(req_ids)
+            choices = self.scheduler.choose(req_ids, signals, self.scheduler.node_budget(len(req_ids)))
+            for i, rid in enumerate(req_ids):
+                forced = self._forced_tree(rid)
+                if forced is not None:
+                    choices[i] = forced
+            self._choice_entropy = [sg.entropy_ema for sg in signals]
             chosen = [self._tree_for(r, b, c) for r, b, c in zip(req_ids, budgets, choices)]
             return chosen, self.drafter.propose(hidden, [t for _, t in chosen], bonus, state)
 
@@ -203,6 +241,7 @@ def _make_proposer_class():
             if self.recorder is not None:
                 self.recorder.finish_missing(live)
             drop_missing(self.pending, live)
+            drop_missing(self._drafted_at, live)
             self._warned &= set(live)
             if self.scheduler is not None:
                 self.scheduler.free_missing(live)

@@ -1,0 +1,160 @@
+"""Ablation of the EntMTP scheduler in ONE engine, on the same prompts: no drafting, each tree of the set used
+statically, and the scheduled policy.
+
+    python benchmarks/ablation.py --tree-set humaneval --prompt-set humaneval --num-prompts 10 --max-tokens 96
+    python benchmarks/ablation.py --tree-set gsm8k --prompt-set gsm8k --repeats 2 --out runs/ablation-gsm8k.json
+
+One vLLM engine runs ``{"method": "entmtp", "tree_set": SET, "policy": "entropy"}``; the variants differ only in
+each request's ``extra_args``: ``entmtp_num_draft_tokens: 0`` (no drafting), ``entmtp_tree_id: ID`` (that tree
+every step, the schedule ignored) or nothing (the schedule). Every variant is a phase that sends the same
+prompts one request at a time; with ``--repeats`` the phases are rotated each round (interleaved), and
+tokens/s are summed over the rounds. Same engine, same process, same prompts: the ratios are fair ones.
+
+Per variant: output tokens/s and its ratio to no drafting and to the best static tree, mean acceptance length
+(bonus token included; vLLM's counters), and for the schedule the share of steps each tree was chosen. Per tree:
+the Pearson correlation between the request's entropy EMA when the tree was drafted (nats) and the number of its
+draft tokens accepted (bonus excluded), pooled over the phases. "No drafting" here still runs the speculative
+pipeline with empty drafts; plain decoding without it is ``benchmarks/compare.py``'s baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+NO_DRAFT = "no-drafting"
+SCHEDULED = "scheduled"
+
+
+def variants(tree_ids: list[str]) -> list[tuple[str, dict | None]]:
+    """``(name, extra_args per request)`` of every variant: no drafting, each tree, the schedule."""
+    return ([(NO_DRAFT, {"entmtp_num_draft_tokens": 0})] + [(f"tree:{t}", {"entmtp_tree_id": t}) for t in tree_ids]
+            + [(SCHEDULED, None)])
+
+
+def phase_order(names: list[str], repeats: int) -> list[tuple[int, str]]:
+    """``(round, name)`` of every phase: round ``r`` is ``names`` rotated by ``r`` (interleaving)."""
+    return [(r, names[(i + r) % len(names)]) for r in range(repeats) for i in range(len(names))]
+
+
+def _diff(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
+def summarize(phases: list[dict], names: list[str]) -> dict:
+    """Per variant: tokens, seconds, tokens/s, mean acceptance length (bonus incl.), choice shares; ratios."""
+    out: dict[str, dict] = {n: {"output_tokens": 0, "seconds": 0.0, "num_drafts": 0, "num_accepted_tokens": 0,
+                                "chosen": {}} for n in names}
+    for ph in phases:
+        o = out[ph["variant"]]
+        o["output_tokens"] += ph["output_tokens"]
+        o["seconds"] += ph["seconds"]
+        o["num_drafts"] += ph["num_drafts"]
+        o["num_accepted_tokens"] += ph["num_accepted_tokens"]
+        for t, n in ph["chosen"].items():
+            o["chosen"][t] = o["chosen"].get(t, 0) + n
+    for o in out.values():
+        o["tokens_per_s"] = o["output_tokens"] / o["seconds"] if o["seconds"] else None
+        o["mean_acceptance_length_incl_bonus"] = (1 + o["num_accepted_tokens"] / o["num_drafts"]
+                                                  if o["num_drafts"] else 1.0)
+        total = sum(o["chosen"].values())
+        o["choice_shares"] = {t: n / total for t, n in sorted(o["chosen"].items())} if total else {}
+    base = out[NO_DRAFT]["tokens_per_s"] if NO_DRAFT in out else None
+    statics = [n for n in names if n.startswith("tree:") and out[n]["tokens_per_s"]]
+    best = max(statics, key=lambda n: out[n]["tokens_per_s"]) if statics else None
+    for o in out.values():
+        o["vs_no_drafting"] = o["tokens_per_s"] / base if base and o["tokens_per_s"] else None
+        o["vs_best_static"] = (o["tokens_per_s"] / out[best]["tokens_per_s"]
+                               if best and o["tokens_per_s"] else None)
+    return {"variants": out, "best_static": best}
+
+
+def format_table(summary: dict) -> str:
+    rows = [f"{'variant':<22} {'tok/s':>7} {'vs none':>8} {'vs best':>8} {'MAL':>6}  choice shares",
+            "-" * 90]
+    for name, o in summary["variants"].items():
+        shares = ", ".join(f"{t} {p:.0%}" for t, p in o["choice_shares"].items()) if name == SCHEDULED else ""
+        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+        rows.append(f"{name:<22} {fmt(o['tokens_per_s'], '7.2f')} {fmt(o['vs_no_drafting'], '8.3f')} "
+                    f"{fmt(o['vs_best_static'], '8.3f')} {o['mean_acceptance_length_incl_bonus']:>6.3f}  {shares}")
+    rows.append(f"best static tree: {summary['best_static']}; MAL: mean acceptance length incl. the bonus token")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tree-set", required=True, help="a tree set with a schedule (name in trees/ or path)")
+    ap.add_argument("--prompt-set", default="humaneval")
+    ap.add_argument("--num-prompts", type=int, default=10)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=1, help="rounds, phases rotated each round (default 1)")
+    ap.add_argument("--all-trees", action="store_true",
+                    help="every tree of the set statically, not only the schedule's")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--model", default=None, help="target model folder (default: the prepared default model)")
+    ap.add_argument("--heads", default=None, help="heads folder (default: the registered ones)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    if args.repeats < 1 or args.num_prompts < 1 or args.max_tokens < 1:
+        ap.error("--repeats, --num-prompts and --max-tokens must be >= 1")
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm_entmtp.datasets import load_prompts
+    from vllm_entmtp.models import prepare_default_model
+    from vllm_entmtp.trees import NO_DRAFT_ID, load_tree_set
+
+    ts = load_tree_set(args.tree_set)
+    if ts.schedule is None and not args.all_trees:
+        ap.error(f"tree set {ts.source} has no schedule: give --all-trees, or a set built by vllm-entmtp build-trees")
+    tree_ids = ts.ids if args.all_trees else [t for t in ts.schedule.tree_ids if t != NO_DRAFT_ID]
+    vs = dict(variants(tree_ids))
+    order = phase_order(list(vs), args.repeats)
+    prompts = load_prompts(args.prompt_set, limit=args.num_prompts)
+    convs = [p.messages for p in prompts]
+    spec = {"method": "entmtp", "tree_set": str(ts.source), "policy": "entropy"}
+    if args.heads:
+        spec["model"] = args.heads
+    job = {"model": args.model or str(prepare_default_model()), "speculative_config": spec, "dtype": args.dtype,
+           "max_model_len": 2048, "max_num_seqs": 4, "conversations": convs, "max_tokens": args.max_tokens,
+           "phases": [{"name": f"{r}:{n}", "concurrency": 1,
+                       "extra_args": [vs[n]] * len(convs) if vs[n] is not None else None} for r, n in order]}
+    with tempfile.TemporaryDirectory() as tmp:
+        jf, of = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        jf.write_text(json.dumps(job))
+        p = subprocess.run([sys.executable, "-m", "vllm_entmtp.harness", str(jf), str(of)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if p.returncode != 0:
+            sys.exit(f"engine run failed:\n{p.stderr[-4000:]}")
+        raw = json.loads(of.read_text())
+    phases, before = [], {}
+    for (r, n) in order:
+        res = raw[f"{r}:{n}"]
+        chosen = res["tree_stats"].get("chosen", {})
+        phases.append({"round": r, "variant": n, "output_tokens": sum(map(len, res["token_ids"])),
+                       "seconds": res["seconds"], "num_drafts": res["spec"]["num_drafts"],
+                       "num_accepted_tokens": res["spec"]["num_accepted_tokens"], "chosen": _diff(chosen, before)})
+        before = chosen
+    final_stats = raw[f"{order[-1][0]}:{order[-1][1]}"]["tree_stats"]
+    summary = summarize(phases, list(vs))
+    summary["entropy_acceptance"] = final_stats.get("entropy_acceptance", {})
+    result = {"tree_set": str(ts.source), "prompt_set": args.prompt_set, "num_prompts": len(prompts),
+              "max_tokens": args.max_tokens, "repeats": args.repeats, "dtype": args.dtype, "phases": phases,
+              **summary}
+    print(f"{args.prompt_set}: {len(prompts)} prompts x {args.max_tokens} tokens, tree set {ts.name}, "
+          f"{args.repeats} round(s), {args.dtype}, one engine")
+    print(format_table(summary))
+    corr = summary["entropy_acceptance"]
+    if corr:
+        print("entropy EMA (nats) vs accepted draft tokens, Pearson r per tree: " + ", ".join(
+            f"{t} {v['r']:+.2f} (n={v['n']})" for t, v in corr.items() if v.get("r") is not None))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""The ablation benchmark's bookkeeping, and the entropy/acceptance correlation the drafter records."""
+import math
+
+import pytest
+
+from conftest import load_benchmark
+from vllm_entmtp.stats import TreeStats, pearson
+
+ab = load_benchmark("ablation")
+
+
+def test_variants_and_interleaved_order():
+    vs = ab.variants(["a", "b"])
+    assert vs == [("no-drafting", {"entmtp_num_draft_tokens": 0}), ("tree:a", {"entmtp_tree_id": "a"}),
+                  ("tree:b", {"entmtp_tree_id": "b"}), ("scheduled", None)]
+    names = [n for n, _ in vs]
+    order = ab.phase_order(names, 2)
+    assert [n for r, n in order if r == 0] == names
+    assert [n for r, n in order if r == 1] == names[1:] + names[:1]
+
+
+def test_summary_ratios_and_shares():
+    ph = [{"variant": "no-drafting", "output_tokens": 100, "seconds": 10.0, "num_drafts": 0, "num_accepted_tokens": 0,
+           "chosen": {"none": 90}},
+          {"variant": "tree:a", "output_tokens": 100, "seconds": 8.0, "num_drafts": 80, "num_accepted_tokens": 20,
+           "chosen": {"a": 80}},
+          {"variant": "tree:b", "output_tokens": 100, "seconds": 9.0, "num_drafts": 70, "num_accepted_tokens": 30,
+           "chosen": {"b": 70}},
+          {"variant": "scheduled", "output_tokens": 60, "seconds": 4.0, "num_drafts": 40, "num_accepted_tokens": 20,
+           "chosen": {"a": 30, "b": 10}},
+          {"variant": "scheduled", "output_tokens": 40, "seconds": 3.0, "num_drafts": 30, "num_accepted_tokens": 10,
+           "chosen": {"b": 10, "none": 10}}]
+    s = ab.summarize(ph, ["no-drafting", "tree:a", "tree:b", "scheduled"])
+    v = s["variants"]
+    assert s["best_static"] == "tree:a"
+    assert v["scheduled"]["tokens_per_s"] == pytest.approx(100 / 7)  # pooled over its phases
+    assert v["scheduled"]["vs_best_static"] == pytest.approx((100 / 7) / (100 / 8))
+    assert v["tree:b"]["vs_no_drafting"] == pytest.approx((100 / 9) / 10)
+    assert v["scheduled"]["mean_acceptance_length_incl_bonus"] == pytest.approx(1 + 30 / 70)
+    assert v["scheduled"]["choice_shares"] == {"a": 0.5, "b": 1 / 3, "none": 1 / 6}
+    assert "scheduled" in ab.format_table(s)
+
+
+def test_entropy_acceptance_correlation():
+    s = TreeStats()
+    for x, y in [(0.1, 3), (0.5, 2), (1.0, 1), (2.0, 0)]:
+        s.record_signal("t", x, y)
+    s.record_signal("u", 1.0, 1)
+    d = s.as_dict()["entropy_acceptance"]
+    assert d["t"]["n"] == 4 and d["t"]["r"] < -0.9  # more entropy, fewer accepted tokens
+    assert d["u"]["r"] is None and d["all"]["n"] == 5  # one pair: undefined
+    xs, ys = [0.1, 0.5, 1.0, 2.0], [3, 2, 1, 0]
+    mx, my = sum(xs) / 4, sum(ys) / 4
+    r = sum((a - mx) * (b - my) for a, b in zip(xs, ys)) / math.sqrt(
+        sum((a - mx) ** 2 for a in xs) * sum((b - my) ** 2 for b in ys))
+    assert d["t"]["r"] == pytest.approx(r)
+    assert pearson(0, 0, 0, 0, 0, 0)["r"] is None

@@ -5,7 +5,7 @@ near-ties flip; see docs/architecture.md), so equality here is exact. 30 prompts
 plain decoding one request at a time is the reference. Two entmtp engines, one per kind of shipped heads:
 the Medusa heads draft chains (8 concurrent requests), and the default heads (Hydra when shipped) draft trees
 chosen per request and step by the entropy scheduler from the `default` tree set (batch sizes 1, 4 and 16). In
-the concurrent phases a third of the requests draft nothing and a third at most 3 tokens (the per-request cap),
+the concurrent phases a third of the requests draft nothing and a third at most 1 token (the per-request cap),
 so requests with different trees and with none share every step. Each engine runs in its own process.
 """
 import json
@@ -48,7 +48,7 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     tmp = tmp_path_factory.mktemp("lossless")
     prompts = _prompts()
     convs = [p.messages for p in prompts]
-    caps = [{REQUEST_DRAFT_TOKENS_KEY: [0, 3, 99][i % 3]} for i in range(len(convs))]
+    caps = [{REQUEST_DRAFT_TOKENS_KEY: [0, 1, 99][i % 3]} for i in range(len(convs))]
     # c4: a third draft nothing, a third are held to one tree of the set that the schedule never picks
     # (per-request override), a third follow the schedule
     from vllm_entmtp.trees import load_tree_set
@@ -89,7 +89,7 @@ def test_draft_tokens_are_accepted(runs, method, phase):
 
 
 def test_per_request_cap_limits_draft_tokens(runs):
-    """With a third of the requests capped at 0 and a third at 3, fewer draft tokens go out per drafting step."""
+    """With a third of the requests capped at 0 and a third at 1, fewer draft tokens go out per drafting step."""
     spec = runs[2]["tree"]
     per_step = {ph: spec[ph]["spec"]["num_draft_tokens"] / spec[ph]["spec"]["num_drafts"] for ph in ("bs1", "c16")}
     assert per_step["c16"] < per_step["bs1"], per_step

@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 NO_DRAFT = "no-drafting"
@@ -104,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm_entmtp.datasets import load_prompts
+    from vllm_entmtp.harness import run_job
     from vllm_entmtp.models import prepare_default_model
     from vllm_entmtp.trees import NO_DRAFT_ID, load_tree_set
 
@@ -122,14 +121,10 @@ def main(argv: list[str] | None = None) -> int:
            "max_model_len": 2048, "max_num_seqs": 4, "conversations": convs, "max_tokens": args.max_tokens,
            "phases": [{"name": f"{r}:{n}", "concurrency": 1,
                        "extra_args": [vs[n]] * len(convs) if vs[n] is not None else None} for r, n in order]}
-    with tempfile.TemporaryDirectory() as tmp:
-        jf, of = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        jf.write_text(json.dumps(job))
-        p = subprocess.run([sys.executable, "-m", "vllm_entmtp.harness", str(jf), str(of)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if p.returncode != 0:
-            sys.exit(f"engine run failed:\n{p.stderr[-4000:]}")
-        raw = json.loads(of.read_text())
+    try:
+        raw = run_job(job)
+    except RuntimeError as e:
+        sys.exit(str(e))
     phases, before = [], {}
     for (r, n) in order:
         res = raw[f"{r}:{n}"]

@@ -14,25 +14,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 
 def run_engine(model: str, spec: dict | None, conversations: list, args) -> dict:
+    from vllm_entmtp.harness import run_job
+
     job = {"model": model, "speculative_config": spec, "dtype": args.dtype, "max_model_len": args.max_model_len,
            "max_num_seqs": max(args.concurrency, 1), "conversations": conversations,
            "max_tokens": args.max_tokens, "phases": [{"name": "run", "concurrency": args.concurrency}]}
-    with tempfile.TemporaryDirectory() as tmp:
-        job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        job_file.write_text(json.dumps(job))
-        p = subprocess.run([sys.executable, "-m", "vllm_entmtp.harness", str(job_file), str(out_file)],
-                           stdout=subprocess.DEVNULL if not args.verbose else None,
-                           stderr=subprocess.PIPE if not args.verbose else None, text=True)
-        if p.returncode != 0:
-            sys.exit(f"engine run failed:\n{(p.stderr or '')[-4000:]}")
-        return json.loads(out_file.read_text())["run"]
+    try:
+        return run_job(job, verbose=args.verbose)["run"]
+    except RuntimeError as e:
+        sys.exit(str(e))
 
 
 def main(argv: list[str] | None = None) -> int:

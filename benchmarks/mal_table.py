@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 
@@ -32,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm_entmtp.datasets import load_prompts
+    from vllm_entmtp.harness import run_job
     from vllm_entmtp.models import prepare_default_model
 
     sets = [s for s in args.prompt_sets.split(",") if s]
@@ -52,14 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         job = {"model": str(prepare_default_model()), "speculative_config": spec, "dtype": args.dtype,
                "max_model_len": 2048, "max_num_seqs": 4, "conversations": convs, "max_tokens": args.max_tokens,
                "phases": phases}
-        with tempfile.TemporaryDirectory() as tmp:
-            jf, of = Path(tmp) / "job.json", Path(tmp) / "out.json"
-            jf.write_text(json.dumps(job))
-            p = subprocess.run([sys.executable, "-m", "vllm_entmtp.harness", str(jf), str(of)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            if p.returncode != 0:
-                sys.exit(f"{name}: engine run failed:\n{p.stderr[-3000:]}")
-            raw = json.loads(of.read_text())
+        try:
+            raw = run_job(job)
+        except RuntimeError as e:
+            sys.exit(f"{name}: {e}")
         results[name] = {}
         for s in sets:
             r = raw[s]

@@ -110,6 +110,29 @@ def generate_chat(llm, conversations: list[list[dict]], *, max_tokens: int, conc
     }
 
 
+def run_job(job: dict, *, verbose: bool = False) -> dict:
+    """Run :func:`main` on ``job`` in a fresh Python process (one engine; vLLM's CPU engine spawns its own
+    processes, and one engine per process keeps runs independent) and return its output.
+
+    Raises:
+        RuntimeError: the engine process failed (the message ends with its stderr).
+    """
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job_file.write_text(json.dumps(job))
+        p = subprocess.run([sys.executable, "-m", "vllm_entmtp.harness", str(job_file), str(out_file)],
+                           stdout=None if verbose else subprocess.DEVNULL,
+                           stderr=None if verbose else subprocess.PIPE, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"engine run failed:\n{(p.stderr or '')[-4000:]}")
+        return json.loads(out_file.read_text())
+
+
 def dump(obj: Any, path: str) -> None:
     with open(path, "w") as f:
         json.dump(obj, f)

@@ -36,6 +36,9 @@ class MTPDrafter:
             heads' top-1 probabilities so far) is below it; 0 keeps every head. Trees are not cut.
     """
 
+    #: :meth:`confidence` evaluates what :meth:`propose` needs anyway (one pass of all heads).
+    confidence_is_free = True
+
     def __init__(self, heads: MedusaHeads, compute_logits: Callable[[torch.Tensor], torch.Tensor],
                  confidence_threshold: float = 0.0):
         self.heads = heads
@@ -136,6 +139,10 @@ class HydraDrafter:
             draft-vocabulary rows are copied once here).
         confidence_threshold: as for :class:`MTPDrafter` (chains only).
     """
+
+    #: :meth:`confidence` runs every head along the greedy chain, more than a shallow tree needs: callers that do
+    #: not use the confidence signal skip it.
+    confidence_is_free = False
 
     def __init__(self, heads: HydraHeads, embed: Callable[[torch.Tensor], torch.Tensor],
                  lm_head_weight: torch.Tensor | None, confidence_threshold: float = 0.0):

@@ -211,14 +211,17 @@ def _make_proposer_class():
 
         def _propose_scheduled(self, hidden, bonus, req_ids, budgets, active):
             """EntMTP: update each request's signals, let the scheduler pick its tree, draft it."""
-            top1, state = self.drafter.confidence(hidden, bonus)
-            top1 = top1.tolist()  # [B, heads]
+            top1 = state = None
+            if self.scheduler.policy == "confidence" or self.drafter.confidence_is_free:
+                top1, state = self.drafter.confidence(hidden, bonus)
+                top1 = top1.tolist()  # [B, heads]
             entropy, accepted = getattr(self.runner, "_entmtp_signals", (None, None))
             for i, rid in enumerate(req_ids):
                 if active is not None and not active[i]:
                     continue  # a prefill chunk: no new token, nothing to learn
                 acc = accepted[i] if accepted is not None else None
-                self.tracker.update(rid, entropy[i] if entropy is not None else float("nan"), top1[i], acc)
+                self.tracker.update(rid, entropy[i] if entropy is not None else float("nan"),
+                                    top1[i] if top1 is not None else None, acc)
                 prev = self._drafted_at.pop(rid, None)
                 if prev is not None and acc is not None:
                     self.tree_stats.record_signal(prev[0], prev[1], acc)

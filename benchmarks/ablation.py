@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-set", default="humaneval")
     ap.add_argument("--num-prompts", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-prompt-chars", type=int, default=1500,
+                    help="skip prompts whose text is this long or longer (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds, phases rotated each round (default 1)")
     ap.add_argument("--all-trees", action="store_true",
                     help="every tree of the set statically, not only the schedule's")
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     tree_ids = ts.ids if args.all_trees else [t for t in ts.schedule.tree_ids if t != NO_DRAFT_ID]
     vs = dict(variants(tree_ids))
     order = phase_order(list(vs), args.repeats)
-    prompts = load_prompts(args.prompt_set, limit=args.num_prompts)
+    prompts = load_prompts(args.prompt_set, limit=args.num_prompts, max_chars=args.max_prompt_chars)
     convs = [p.messages for p in prompts]
     spec = {"method": "entmtp", "tree_set": str(ts.source), "policy": "entropy"}
     if args.heads:

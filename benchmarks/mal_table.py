@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-sets", default="humaneval,gsm8k,sharegpt")
     ap.add_argument("--num-prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-prompt-chars", type=int, default=1500,
+                    help="skip prompts whose text is this long or longer (default %(default)s)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--config", action="append", required=True, metavar="NAME=JSON",
                     help="a speculative config, repeatable")
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     sets = [s for s in args.prompt_sets.split(",") if s]
     convs, phases = [], []
     for name in sets:
-        ps = load_prompts(name, limit=args.num_prompts)
+        ps = load_prompts(name, limit=args.num_prompts, max_chars=args.max_prompt_chars)
         phases.append({"name": name, "concurrency": 1, "prompts": list(range(len(convs), len(convs) + len(ps)))})
         convs += [p.messages for p in ps]
     configs = []

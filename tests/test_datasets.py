@@ -70,3 +70,9 @@ def test_unknown_names():
         load_prompts("humaneval", split="train")
     with pytest.raises(ValueError, match="split"):
         load_prompts("gsm8k", split="test")
+
+
+def test_max_chars_keeps_only_shorter_prompts():
+    short = load_prompts("sharegpt", limit=5, max_chars=300)
+    assert len(short) == 5 and all(len(p.messages[-1]["content"]) < 300 for p in short)
+    assert any(len(p.messages[-1]["content"]) >= 300 for p in load_prompts("sharegpt", limit=40))

@@ -189,8 +189,11 @@ def _creative() -> list[Prompt]:
     return out
 
 
-def load_prompts(name: str, limit: int | None = None, split: str = "eval") -> list[Prompt]:
-    """Prompts of set ``name`` (one of :data:`PROMPT_SETS`), the first ``limit`` of them, from ``split``.
+def load_prompts(name: str, limit: int | None = None, split: str = "eval",
+                 max_chars: int | None = None) -> list[Prompt]:
+    """Prompts of set ``name`` (one of :data:`PROMPT_SETS`), the first ``limit`` of them, from ``split``; with
+    ``max_chars``, only prompts whose last message has fewer characters (long ShareGPT turns exceed short
+    context windows), the first ``limit`` of those.
 
     Raises:
         ValueError: unknown set or split, or ``split="train"`` for an eval-only set.
@@ -211,6 +214,8 @@ def load_prompts(name: str, limit: int | None = None, split: str = "eval") -> li
         prompts = _mtbench()
     else:
         prompts = _creative()
+    if max_chars is not None:
+        prompts = [p for p in prompts if len(p.messages[-1]["content"]) < max_chars]
     return prompts if limit is None else prompts[:limit]
 
 

@@ -1,0 +1,367 @@
+"""benchmarks/compare.py: method table, interleaving, aggregation, report, arguments and the server wrapper
+(no vLLM server is started)."""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import textwrap
+
+import pytest
+
+from conftest import load_benchmark
+
+cp = load_benchmark("compare")
+tp = cp.tp
+CHOSEN = tp.CHOSEN_FAMILY
+
+
+# ------------------------------------------------------------------------------------------ method table
+@pytest.fixture
+def checkout(tmp_path, monkeypatch):
+    """A fake checkout: ``make(heads=("medusa",), tree_sets=("humaneval",))`` ships those heads and tree sets
+    (tmp folders that vllm_entmtp.models and vllm_entmtp.trees read), and returns shipped_method_table()."""
+    import vllm_entmtp.models as models
+    import vllm_entmtp.trees as trees
+
+    def make(heads=("medusa",), tree_sets=()):
+        assets = tmp_path / "assets"
+        for kind in heads:
+            d = assets / "heads" / models.DEFAULT_MODEL_NAME / kind
+            d.mkdir(parents=True)
+            (d / "config.json").write_text("{}")
+        shipped = tmp_path / "trees"
+        shipped.mkdir()
+        for name in tree_sets:
+            (shipped / f"{name}.json").write_text("{}")
+        monkeypatch.setattr(models, "_ASSETS", assets)
+        monkeypatch.setattr(trees, "shipped_trees_dir", lambda: shipped)
+        monkeypatch.delenv(trees.TREES_ENV, raising=False)
+        return cp.shipped_method_table()
+
+    return make
+
+
+def test_method_table_with_everything_shipped(checkout, tmp_path):
+    available, skipped = checkout(heads=("medusa", "hydra"), tree_sets=("humaneval", "gsm8k", "default"))
+    assert list(available) == ["plain", "ngram", "vllm-medusa", "medusa-tree", "hydra-tree", "entmtp",
+                               "entmtp-humaneval", "entmtp-gsm8k"]
+    assert set(skipped) == {"entmtp-sharegpt", "entmtp-creative"}
+    assert "trees/sharegpt.json" in skipped["entmtp-sharegpt"]
+    medusa = str(tmp_path / "assets" / "heads" / "SmolLM2-135M-Instruct" / "medusa")
+    hydra = medusa.replace("medusa", "hydra")
+    assert available["plain"].spec is None
+    assert available["ngram"].spec == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                                       "prompt_lookup_min": 2}
+    assert available["vllm-medusa"].spec == {"method": "medusa", "model": medusa, "num_speculative_tokens": 4}
+    assert available["medusa-tree"].spec == {"method": "entmtp", "model": medusa, "tree_set": "ladder",
+                                             "tree_id": "mc12"}
+    assert available["hydra-tree"].spec == {"method": "entmtp", "model": hydra, "tree_set": "ladder",
+                                            "tree_id": "mc12"}
+    assert available["entmtp"].spec == {"method": "entmtp"}
+    assert "hydra" in available["entmtp"].note  # the preferred kind when both are shipped
+    assert available["entmtp-gsm8k"].spec == {"method": "entmtp", "tree_set": "gsm8k", "policy": "entropy"}
+
+
+def test_method_table_medusa_only(checkout):
+    available, skipped = checkout(heads=("medusa",))
+    assert "hydra-tree" not in available
+    assert skipped["hydra-tree"] == "no Hydra heads are shipped for SmolLM2-135M-Instruct"
+    assert "medusa" in available["entmtp"].note
+    assert set(skipped) == {"hydra-tree", *(f"entmtp-{t}" for t in cp.TASKS)}
+
+
+def test_method_table_without_heads(checkout):
+    available, skipped = checkout(heads=(), tree_sets=("creative",))
+    assert list(available) == ["plain", "ngram"]
+    assert skipped["vllm-medusa"] == "no Medusa heads are shipped for SmolLM2-135M-Instruct"
+    assert "no heads are shipped" in skipped["entmtp"]
+    assert "no heads are shipped" in skipped["entmtp-creative"]
+
+
+def test_select_methods(checkout):
+    available, skipped = checkout(heads=("medusa",))
+    assert [m.name for m in cp.select_methods(None, available, skipped)] == list(available)
+    assert [m.name for m in cp.select_methods("entmtp, plain,entmtp", available, skipped)] == ["entmtp", "plain"]
+    with pytest.raises(cp.BenchmarkError, match="unknown method 'eagle'; known: plain, ngram"):
+        cp.select_methods("plain,eagle", available, skipped)
+    with pytest.raises(cp.BenchmarkError, match="method 'hydra-tree' is not available: no Hydra heads"):
+        cp.select_methods("hydra-tree", available, skipped)
+    with pytest.raises(cp.BenchmarkError, match="at least one"):
+        cp.select_methods(" , ", available, skipped)
+
+
+# ------------------------------------------------------------------------------------------ interleaving
+def test_interleaved_order_rotates():
+    methods = ["plain", "ngram", "entmtp"]
+    orders = [cp.interleaved_order(methods, r) for r in range(4)]
+    assert orders == [["plain", "ngram", "entmtp"], ["ngram", "entmtp", "plain"], ["entmtp", "plain", "ngram"],
+                      ["plain", "ngram", "entmtp"]]
+    for pos in range(3):  # over len(methods) repeats each method takes each position once
+        assert sorted(o[pos] for o in orders[:3]) == sorted(methods)
+    assert cp.interleaved_order([], 3) == []
+
+
+# ------------------------------------------------------------------------------------------ arguments
+def settings(checkout_make, argv, **kw):
+    available, skipped = checkout_make
+    return cp.make_settings(cp.build_parser().parse_args(argv), available, skipped, **kw)
+
+
+def test_quick_defaults_and_overrides(checkout):
+    table = checkout(heads=("medusa",))
+    s = settings(table, ["--quick"])
+    assert [m.name for m in s.methods] == ["plain", "vllm-medusa", "entmtp"]
+    assert (s.tasks, s.concurrency, s.num_requests, s.max_tokens) == (["humaneval", "sharegpt"], [1], 4, 64)
+    assert not s.enforce_eager
+    s = settings(table, ["--quick", "--methods", "plain,entmtp", "--tasks", "humaneval", "--num-requests", "2",
+                         "--max-tokens", "32"])
+    assert ([m.name for m in s.methods], s.tasks, s.num_requests, s.max_tokens) == (
+        ["plain", "entmtp"], ["humaneval"], 2, 32)
+    s = settings(table, [])
+    assert [m.name for m in s.methods] == ["plain", "ngram", "vllm-medusa", "medusa-tree", "entmtp"]
+    assert (s.tasks, s.concurrency, s.repeats, s.port) == (list(cp.TASKS), [1, 4, 16], 1, 8123)
+
+
+def test_quick_leaves_out_what_is_not_shipped(checkout):
+    s = settings(checkout(heads=()), ["--quick"])
+    assert [m.name for m in s.methods] == ["plain"]
+
+
+def test_default_out_dir(checkout):
+    from datetime import datetime
+
+    s = settings(checkout(), [], now=datetime(2025, 1, 2, 3, 4, 5))
+    assert str(s.out) == "runs/compare-20250102-030405"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tasks", "humaneval,mbpp"], "unknown task 'mbpp'; tasks: humaneval, gsm8k, sharegpt, creative"),
+    (["--methods", "nope"], "unknown method 'nope'"),
+    (["--methods", "hydra-tree"], "not available: no Hydra heads"),
+    (["--concurrency", "1,x"], "--concurrency takes whole numbers"),
+    (["--num-requests", "0"], "--num-requests must be >= 1, got 0"),
+    (["--max-tokens", "-1"], "--max-tokens must be >= 1"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--port", "70000"], "--port must be 1..65535"),
+    (["--startup-timeout", "0"], "--startup-timeout must be > 0"),
+    (["--serve-args", "'unclosed"], "--serve-args"),
+])
+def test_bad_arguments(checkout, argv, message):
+    with pytest.raises(cp.BenchmarkError, match=message.replace("(", r"\(")):
+        settings(checkout(), argv)
+
+
+def test_main_bad_argument_is_one_line(checkout, capsys, tmp_path):
+    checkout(heads=("medusa",))
+    assert cp.main(["--methods", "plain,hydra-tree", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("error: method 'hydra-tree' is not available: no Hydra heads are shipped for "
+                           "SmolLM2-135M-Instruct")
+    assert not (tmp_path / "out").exists()
+
+
+def test_serve_command():
+    m = cp.Method("entmtp", {"method": "entmtp"})
+    cmd = cp.serve_command("vllm", "/m", m, 8123, enforce_eager=True, extra=["--max-num-seqs", "8"])
+    assert cmd == ["vllm", "serve", "/m", "--served-model-name", "SmolLM2-135M-Instruct", "--host", "127.0.0.1",
+                   "--port", "8123", "--gpu-memory-utilization", "0.5", "--speculative-config",
+                   '{"method": "entmtp"}', "--enforce-eager", "--max-num-seqs", "8"]
+    assert "--speculative-config" not in cp.serve_command("vllm", "/m", cp.Method("plain", None), 1)
+
+
+# ------------------------------------------------------------------------------------------ aggregation
+def level(conc, tput, tpot=10.0, drafts=0, accepted=0, trees=None, failed=0, errors=()):
+    spec = None if drafts is None else {
+        "num_drafts": drafts, "num_accepted_tokens": accepted,
+        "mean_acceptance_length_incl_bonus": 1 + accepted / drafts if drafts else None}
+    tc = {CHOSEN: {f'{{tree="{t}"}}': n for t, n in (trees or {}).items()}} if trees else {}
+    return {"concurrency": conc, "request_rate": None, "completed": 4 - failed, "failed": failed,
+            "errors": list(errors), "output_throughput": tput, "median_tpot_ms": tpot, "median_ttft_ms": 50.0,
+            "spec_decode": spec, "tree_choice": tc, "tree_choice_shares": tp.tree_choice_shares(tc)}
+
+
+def run(method, task, repeat, levels, spec=None):
+    return {"method": method, "task": task, "repeat": repeat, "position": 0, "speculative_config": spec,
+            "server_startup_s": 60.0 + repeat, "levels": levels}
+
+
+ENTMTP = {"method": "entmtp"}
+NGRAM = {"method": "ngram"}
+
+
+def hand_runs():
+    """Two repeats; plain 10 then 20 tok/s, ngram 20 then 20, entmtp 30 then 20 (ratios per repeat 3.0 and 1.0:
+    mean 2.0, whereas the ratio of the means would be 1.67)."""
+    return [
+        run("plain", "humaneval", 0, [level(1, 10.0, drafts=None), level(4, 40.0, drafts=None)]),
+        run("ngram", "humaneval", 0, [level(1, 20.0, drafts=10, accepted=5), level(4, 40.0, drafts=10)], NGRAM),
+        run("entmtp", "humaneval", 0, [level(1, 30.0, tpot=5.0, drafts=10, accepted=10, trees={"mc12": 6, "none": 2}),
+                                       level(4, 80.0, drafts=4, accepted=4, trees={"mc24": 4})], ENTMTP),
+        run("entmtp", "humaneval", 1, [level(1, 20.0, tpot=7.0, drafts=10, accepted=20, trees={"mc12": 2}),
+                                       level(4, 80.0, drafts=4, accepted=4, trees={"mc24": 4})], ENTMTP),
+        run("plain", "humaneval", 1, [level(1, 20.0, drafts=None), level(4, 40.0, drafts=None)]),
+        run("ngram", "humaneval", 1, [level(1, 20.0, drafts=10, accepted=5), level(4, 40.0, drafts=10)], NGRAM),
+    ]
+
+
+def test_aggregate_ratios_per_repeat():
+    rows = {(r["method"], r["task"], r["concurrency"]): r for r in cp.aggregate(hand_runs())}
+    assert len(rows) == 6
+    e1 = rows[("entmtp", "humaneval", 1)]
+    assert e1["repeats"] == [0, 1]
+    assert e1["output_throughput"] == {"mean": 25.0, "min": 20.0, "max": 30.0, "std": 5.0, "n": 2}
+    assert e1["ratios"]["plain"]["mean"] == pytest.approx(2.0)  # (30/10 + 20/20) / 2
+    assert (e1["ratios"]["plain"]["min"], e1["ratios"]["plain"]["max"]) == (1.0, 3.0)
+    assert e1["ratios"]["ngram"]["mean"] == pytest.approx(1.25)  # (30/20 + 20/20) / 2
+    assert set(e1["ratios"]) == {"plain", "ngram"}  # baselines that did not run get no ratio
+    assert e1["mal"]["mean"] == pytest.approx(2.5)  # MAL 2.0 and 3.0
+    assert e1["median_tpot_ms"]["mean"] == pytest.approx(6.0)
+    assert e1["tree_choice_shares"] == {"mc12": 0.8, "none": 0.2}  # 8 + 2 pooled over the repeats
+    p1 = rows[("plain", "humaneval", 1)]
+    assert p1["mal"] is None and p1["tree_choice_shares"] == {}
+    assert p1["ratios"]["plain"]["mean"] == 1.0
+    assert rows[("ngram", "humaneval", 4)]["mal"]["mean"] == 1.0  # drafts, none accepted
+
+
+def test_aggregate_missing_repeat_of_baseline():
+    runs = [r for r in hand_runs() if not (r["method"] == "plain" and r["repeat"] == 1)]
+    e1 = next(r for r in cp.aggregate(runs) if (r["method"], r["concurrency"]) == ("entmtp", 1))
+    assert e1["ratios"]["plain"] == {"mean": 3.0, "min": 3.0, "max": 3.0, "std": 0.0, "n": 1}
+
+
+def test_stat_and_formatting():
+    assert cp.stat([None]) is None
+    assert cp.fmt_stat(None, ".1f") == "-"
+    assert cp.fmt_stat(cp.stat([2.0]), ".2f", "x") == "2.00x"
+    assert cp.fmt_stat(cp.stat([1.0, 3.0]), ".2f", "x") == "2.00x [1.00–3.00]"
+    assert cp.fmt_shares({"a": 0.25, "b": 0.75}) == "b 75%, a 25%"
+    assert cp.pooled_mal([level(1, 1, drafts=10, accepted=5), level(4, 1, drafts=10, accepted=15)]) == 2.0
+    assert cp.pooled_mal([level(1, 1, drafts=None)]) is None
+
+
+# ------------------------------------------------------------------------------------------ report
+def hand_doc(runs, repeats=2, methods=("plain", "ngram", "entmtp")):
+    specs = {"plain": None, "ngram": NGRAM, "entmtp": ENTMTP}
+    return {
+        "run_id": "20250101T000000Z-1", "command": "python benchmarks/compare.py --repeats 2",
+        "machine": {"cpu_model": "AMD EPYC", "cpu_count": 2, "usable_cpus": 2, "platform": "Linux"},
+        "date": "2025-01-01T00:00:00+00:00",
+        "settings": {"methods": {m: {"speculative_config": specs[m], "note": f"note {m}"} for m in methods},
+                     "skipped": {"hydra-tree": "no Hydra heads are shipped"}, "tasks": ["humaneval"],
+                     "concurrency": [1, 4], "num_requests": 4, "max_tokens": 64, "repeats": repeats,
+                     "ignore_eos": False, "enforce_eager": False},
+        "runs": runs}
+
+
+def test_render_report():
+    doc = hand_doc(hand_runs())
+    doc["aggregate"] = cp.aggregate(doc["runs"])
+    doc["plots"] = ["throughput.png"]
+    md = cp.render_report(doc)
+    assert "- command: `python benchmarks/compare.py --repeats 2`" in md
+    assert "- machine: AMD EPYC, 2 CPUs (2 usable), Linux" in md
+    assert "- date: 2025-01-01T00:00:00+00:00" in md
+    assert "ratio measured within one run on one machine" in md
+    assert "never compare these numbers with those of another run" in md
+    assert "order was rotated every repeat" in md
+    assert "- hydra-tree: no Hydra heads are shipped" in md
+    assert '| entmtp | `{"method": "entmtp"}` | note entmtp | 60 [60–61] |' in md
+    assert "| method | out tok/s | vs plain | vs ngram | MAL | TPOT ms | failed |" in md
+    section = md.split("### humaneval, concurrency 1")[1].split("###")[0]
+    assert "| plain | 15.0 [10.0–20.0] | 1.00x [1.00–1.00] | 0.75x [0.50–1.00] | - | 10.0 [10.0–10.0] | 0 |" \
+        in section
+    assert "| entmtp | 25.0 [20.0–30.0] | 2.00x [1.00–3.00] | 1.25x [1.00–1.50] | 2.50 [2.00–3.00] |" in section
+    assert "| entmtp | mc12 80%, none 20% |" in section
+    assert "| ngram |" not in section.split("tree-choice shares")[1]  # shares only for entmtp methods
+    assert "| entmtp | mc24 100% |" in md.split("### humaneval, concurrency 4")[1]
+    assert "![throughput](throughput.png)" in md
+    assert "Incomplete" not in md and "## Errors" not in md
+
+
+def test_render_report_single_repeat_incomplete_and_errors():
+    runs = [r for r in hand_runs() if r["repeat"] == 0]
+    runs[0]["levels"][1] = level(4, 30.0, drafts=None, failed=1, errors=["HTTP 500: boom"])
+    doc = hand_doc(runs, repeats=1)
+    doc["incomplete"] = "the server for method x exited"
+    doc["aggregate"] = cp.aggregate(runs)
+    md = cp.render_report(doc)
+    assert "[" not in md.split("### humaneval, concurrency 1")[1].split("Tree choice")[0].replace("[min", "")
+    assert "| entmtp | 30.0 | 3.00x | 1.50x | 2.00 | 5.0 | 0 |" in md
+    assert "**Incomplete run:** the server for method x exited" in md
+    assert "- plain / humaneval / concurrency 4: HTTP 500: boom" in md
+    assert "rotated" not in md
+
+
+def test_write_outputs(tmp_path):
+    doc = hand_doc(hand_runs())
+    cp.write_outputs(doc, tmp_path)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["plots"] == ["throughput.png", "mal.png", "tree_choice.png"]
+    assert len(saved["aggregate"]) == 6
+    for name in saved["plots"]:
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "report.md").read_text() == cp.render_report(saved)
+
+
+# ------------------------------------------------------------------------------------------ server wrapper
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+HEALTH_SERVER = textwrap.dedent("""
+    import http.server, subprocess, sys
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # a child in the same group
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+        def log_message(self, *a): pass
+    print("listening", flush=True)
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+def test_server_starts_waits_for_health_and_stops_its_group(tmp_path):
+    port = free_port()
+    script = tmp_path / "srv.py"
+    script.write_text(HEALTH_SERVER)
+    server = cp.Server([sys.executable, str(script), str(port)], tmp_path / "logs" / "s.log", port, 30, "fake")
+    with server:
+        assert cp.port_in_use(port)
+        pgid = server.proc.pid
+        assert len(cp.group_members(pgid)) == 2
+        assert server.startup_s is not None
+    assert not cp.port_in_use(port)
+    assert cp.group_members(pgid) == []  # the child of the group is gone too
+    assert "listening" in (tmp_path / "logs" / "s.log").read_text()
+
+
+def test_server_that_dies_reports_its_log_tail(tmp_path):
+    port = free_port()
+    cmd = [sys.executable, "-c", "import sys; print('ValueError: bad speculative config'); sys.exit(3)"]
+    with pytest.raises(cp.BenchmarkError) as e:
+        with cp.Server(cmd, tmp_path / "s.log", port, 30, "entmtp"):
+            pass
+    msg = str(e.value)
+    assert msg.startswith("the server for method entmtp exited with code 3 during start-up; log ")
+    assert "ValueError: bad speculative config" in msg
+
+
+def test_server_refuses_a_busy_port(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(cp.BenchmarkError, match=f"port {port} is already in use"):
+            with cp.Server([sys.executable, "-c", "pass"], tmp_path / "s.log", port, 30, "x"):
+                pass
+
+
+def test_servers_run_float32_where_bfloat16_gemms_are_not_native(tmp_path):
+    (tmp_path / "avx2").write_text("flags : fpu sse avx2 fma\n")
+    (tmp_path / "amx").write_text("flags : fpu avx512f avx512_bf16 amx_bf16\n")
+    assert cp.default_dtype(str(tmp_path / "avx2")) == "float32"
+    assert cp.default_dtype(str(tmp_path / "amx")) == "auto"
+    assert cp.default_dtype(str(tmp_path / "missing")) == "auto"

@@ -24,8 +24,10 @@ def test_collector_sums_every_process_file(tmp_path):
     publish(s.as_dict(), tmp_path)
     assert (tmp_path / f"{os.getpid()}.json").is_file()
     ppid = os.getppid()
-    (tmp_path / "99999.json").write_text(json.dumps({**s.as_dict(), "parent_pid": ppid}))  # a 2nd engine
-    (tmp_path / "99998.json").write_text(json.dumps({**s.as_dict(), "parent_pid": ppid + 1}))  # another front end's
+    assert json.loads((tmp_path / f"{os.getpid()}.json").read_text())["ancestor_pids"][0] == ppid
+    # a second engine's worker (a grandchild: its parent is the engine core), and another front end's engine
+    (tmp_path / "99999.json").write_text(json.dumps({**s.as_dict(), "ancestor_pids": [99990, ppid, 1]}))
+    (tmp_path / "99998.json").write_text(json.dumps({**s.as_dict(), "ancestor_pids": [ppid + 1, 1]}))
     (tmp_path / "12345.json").write_text("{half-writ")  # never read: files are replaced atomically
     assert read_all(tmp_path, ppid + 1)["per_tree"]["mc6"]["steps"] == 2
     assert read_all(tmp_path)["per_tree"]["mc6"]["steps"] == 6

@@ -2,11 +2,12 @@
 
 The counters live in the drafter (:class:`~vllm_entmtp.stats.TreeStats`), inside the engine-core process, while
 ``/metrics`` is served by the API-server process from its own registry. So the drafter publishes its counters
-after every step to a small JSON file (``<dir>/<pid>.json``, written atomically, with the writer's parent pid)
-in a folder that the first process to load the plugin creates and hands to its child processes through
+after every step to a small JSON file (``<dir>/<pid>.json``, written atomically, with the writer's ancestor
+pids) in a folder that the first process to load the plugin creates and hands to its child processes through
 ``$VLLM_ENTMTP_STATS_DIR``; a collector registered in every process's default Prometheus registry sums, at
-scrape time, the files written by its own child processes (the engine cores it started), so that several
-front ends sharing one folder (e.g. test runs) never count each other's engines.
+scrape time, the files written by its own descendants (the engine core it started, and that engine's worker,
+where the drafter runs on CPU), so that several front ends sharing one folder (e.g. test runs) never count
+each other's engines.
 
 Families (counters; Prometheus appends ``_total``), label ``tree`` = tree id (a capped tree is ``id@n``, a chain
 ``chainN``, ``none`` = the request drafted nothing):
@@ -22,8 +23,7 @@ Families (counters; Prometheus appends ``_total``), label ``tree`` = tree id (a 
 ========================================  =========================================================================
 
 Limits: with ``PROMETHEUS_MULTIPROC_DIR`` (several API-server processes) vLLM serves a fresh registry and these
-families are absent; drafters in worker processes that are not direct children of the front end (vLLM's
-multiprocess executor, tensor parallelism) are not counted.
+families are absent; with tensor parallelism every worker publishes the same counts (they would be summed).
 """
 from __future__ import annotations
 
@@ -50,28 +50,45 @@ def ensure_stats_dir() -> Path:
     return Path(path)
 
 
+_ancestors: list[int] | None = None
+
+
+def ancestor_pids() -> list[int]:
+    """This process's ancestors (parent first), computed once: the drafter runs in a worker that may be a
+    child of the engine core, itself a child of the front end."""
+    global _ancestors
+    if _ancestors is None:
+        try:
+            import psutil
+
+            _ancestors = [p.pid for p in psutil.Process().parents()]
+        except Exception:  # noqa: BLE001 - no psutil, or /proc unreadable: the parent at least
+            _ancestors = [os.getppid()]
+    return _ancestors
+
+
 def publish(stats: dict, directory: str | Path | None = None) -> None:
     """Write this process's counters (``TreeStats.as_dict()``) to ``<dir>/<pid>.json``, atomically, tagged
-    with this process's parent pid (the front end that reads them)."""
+    with this process's ancestor pids (the front end that reads them is one of them)."""
     directory = Path(directory or os.environ.get(STATS_DIR_ENV) or ensure_stats_dir())
     tmp = directory / f".{os.getpid()}.json.tmp"
     try:
-        tmp.write_text(json.dumps({**stats, "parent_pid": os.getppid()}))
+        tmp.write_text(json.dumps({**stats, "ancestor_pids": ancestor_pids()}))
         os.replace(tmp, directory / f"{os.getpid()}.json")
     except OSError:  # the folder went away (server shutting down): metrics are best effort
         pass
 
 
 def read_all(directory: str | Path, parent_pid: int | None = None) -> dict:
-    """Sum of the counter files in ``directory`` written by children of ``parent_pid`` (None: all files);
-    unreadable files are skipped."""
+    """Sum of the counter files in ``directory`` written by descendants of process ``parent_pid`` (None: all
+    files); unreadable files are skipped."""
     total = {"chosen": {}, "per_tree": {}, "non_first_branch_paths": 0, "kv_slots_moved": 0}
     for f in Path(directory).glob("*.json"):
         try:
             d = json.loads(f.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if parent_pid is not None and d.get("parent_pid") != parent_pid:
+        if parent_pid is not None and parent_pid not in d.get("ancestor_pids", ()):
             continue
         for tree, n in d.get("chosen", {}).items():
             total["chosen"][tree] = total["chosen"].get(tree, 0) + n
@@ -86,7 +103,7 @@ def read_all(directory: str | Path, parent_pid: int | None = None) -> dict:
 
 class EntMTPCollector:
     """Prometheus collector of the counters published in ``directory`` (``$VLLM_ENTMTP_STATS_DIR``) by the
-    children of process ``parent_pid`` (None: by any process)."""
+    descendants of process ``parent_pid`` (None: by any process)."""
 
     def __init__(self, directory: str | Path, parent_pid: int | None = None):
         self.directory = Path(directory)

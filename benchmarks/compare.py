@@ -16,7 +16,8 @@ process group) before the next method starts. Servers run `--dtype float32` on C
 * ``medusa-tree`` / ``hydra-tree``: entmtp with the shipped Medusa / Hydra heads and the static tree ``mc12`` of
   the tree set ``ladder``;
 * ``entmtp``: ``{"method": "entmtp"}``, the plugin's defaults;
-* ``entmtp-<task>``: entmtp with the tree set named after a task (``trees/<task>.json``) and the entropy policy.
+* ``entmtp-<task>``: entmtp with the tree set named after a task (``trees/<task>.json``) and the entropy policy,
+  run on that task only.
 
 A method whose heads or tree set is not shipped is skipped with a note (naming it in ``--methods`` is an error).
 
@@ -77,6 +78,7 @@ class Method:
     name: str
     spec: dict | None  # --speculative-config; None: no speculation
     note: str = ""
+    only_task: str | None = None  # runs this task only (a tree set tuned to it); None: every task
 
 
 
@@ -100,11 +102,12 @@ def method_table(heads: dict, tree_sets: dict, preferred_kinds=("hydra", "medusa
     available: dict[str, Method] = {}
     skipped: dict[str, str] = {}
 
-    def add(name: str, spec: dict | None, note: str = "", missing: str | None = None) -> None:
+    def add(name: str, spec: dict | None, note: str = "", missing: str | None = None,
+            only_task: str | None = None) -> None:
         if missing:
             skipped[name] = missing
         else:
-            available[name] = Method(name, spec, note)
+            available[name] = Method(name, spec, note, only_task)
 
     def no_heads(kind: str) -> str | None:
         return None if kind in heads else f"no {kind.capitalize()} heads are shipped for {SERVED_MODEL_NAME}"
@@ -120,13 +123,13 @@ def method_table(heads: dict, tree_sets: dict, preferred_kinds=("hydra", "medusa
     add("hydra-tree", {"method": "entmtp", "model": str(heads.get("hydra", "")), **STATIC_TREE},
         "entmtp, Hydra heads, static tree mc12", no_heads("hydra"))
     kind = next((k for k in preferred_kinds if k in heads), None)
-    add("entmtp", {"method": "entmtp"}, f"entmtp defaults: static policy, chains of the {kind} heads",
-        None if kind else f"no heads are shipped for {SERVED_MODEL_NAME}")
+    add("entmtp", {"method": "entmtp"}, f"entmtp defaults: {kind} heads, trees of the set 'default' scheduled "
+        "by entropy", None if kind else f"no heads are shipped for {SERVED_MODEL_NAME}")
     for task in TASKS:
         missing = (None if task in tree_sets else f"no tree set named {task!r} (trees/{task}.json)") \
             or (None if kind else f"no heads are shipped for {SERVED_MODEL_NAME}")
         add(f"entmtp-{task}", {"method": "entmtp", "tree_set": task, "policy": "entropy"},
-            f"entmtp, tree set {task}, entropy policy", missing)
+            f"entmtp, tree set {task}, entropy policy ({task} only)", missing, only_task=task)
     return available, skipped
 
 
@@ -256,9 +259,19 @@ def make_settings(args: argparse.Namespace, available: dict[str, Method], skippe
     stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
     if args.quick and args.methods is None:  # the quick set, less what this checkout cannot run
         pick["methods"] = ",".join(n for n in QUICK["methods"].split(",") if n in available)
+    tasks, skipped = parse_tasks(pick["tasks"]), dict(skipped)
+    methods = select_methods(pick["methods"], available, skipped)
+    if pick["methods"] is not None:  # named explicitly: a method for a task not run is a mistake
+        for m in methods:
+            if m.only_task is not None and m.only_task not in tasks:
+                raise BenchmarkError(f"method {m.name!r} runs task {m.only_task!r} only, which is not in --tasks")
+    else:
+        for m in methods:
+            if m.only_task is not None and m.only_task not in tasks:
+                skipped[m.name] = f"runs task {m.only_task!r} only, which is not in --tasks"
+        methods = [m for m in methods if m.name not in skipped]
     return Settings(
-        methods=select_methods(pick["methods"], available, skipped), skipped=dict(skipped),
-        tasks=parse_tasks(pick["tasks"]), concurrency=tp.parse_concurrency(pick["concurrency"]),
+        methods=methods, skipped=skipped, tasks=tasks, concurrency=tp.parse_concurrency(pick["concurrency"]),
         num_requests=pick["num_requests"], max_tokens=pick["max_tokens"], repeats=args.repeats,
         ignore_eos=args.ignore_eos, port=args.port, out=Path(args.out or f"runs/compare-{stamp}"),
         quick=args.quick, enforce_eager=args.enforce_eager, serve_args=serve_args,
@@ -435,7 +448,8 @@ def run_method(s: Settings, method: Method, model: str, vllm: str, repeat: int, 
     records = []
     with Server(cmd, log, s.port, s.startup_timeout, method.name) as server:
         print(f"[compare]   {method.name} ready after {server.startup_s:.0f} s", flush=True)
-        for i, task in enumerate(s.tasks):
+        tasks = [t for t in s.tasks if method.only_task in (None, t)]
+        for i, task in enumerate(tasks):
             cfg = throughput_config(s, server.base_url, task, warmup=1 if i == 0 else 0)
             prompts = tp.load_benchmark_prompts(task, s.num_requests)
             t0 = time.monotonic()

@@ -123,6 +123,16 @@ def test_quick_defaults_and_overrides(checkout):
     assert (s.tasks, s.concurrency, s.repeats, s.port) == (list(cp.TASKS), [1, 4, 16], 1, 8123)
 
 
+def test_per_task_tree_sets_run_their_own_task_only(checkout):
+    table = checkout(heads=("hydra",), tree_sets=("humaneval", "gsm8k"))
+    assert table[0]["entmtp-gsm8k"].only_task == "gsm8k" and table[0]["entmtp"].only_task is None
+    s = settings(table, ["--tasks", "gsm8k,sharegpt"])
+    assert [m.name for m in s.methods] == ["plain", "ngram", "hydra-tree", "entmtp", "entmtp-gsm8k"]
+    assert s.skipped["entmtp-humaneval"] == "runs task 'humaneval' only, which is not in --tasks"
+    with pytest.raises(cp.BenchmarkError, match="'entmtp-humaneval' runs task 'humaneval' only"):
+        settings(table, ["--tasks", "gsm8k", "--methods", "plain,entmtp-humaneval"])
+
+
 def test_quick_leaves_out_what_is_not_shipped(checkout):
     s = settings(checkout(heads=()), ["--quick"])
     assert [m.name for m in s.methods] == ["plain"]

@@ -251,6 +251,10 @@ class EntropyTracker:
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._states
 
+    def tracked_ids(self) -> set[str]:
+        """Ids of the requests the tracker holds state for."""
+        return set(self._states)
+
     def __len__(self) -> int:
         return len(self._states)
 

@@ -80,20 +80,78 @@ def make_llm(model: str, speculative_config: dict | None, *, dtype: str = "bfloa
                disable_log_stats=False, gpu_memory_utilization=gpu_memory_utilization, **kwargs)
 
 
-def generate_chat(llm, conversations: list[list[dict]], *, max_tokens: int, concurrency: int,
-                  temperature: float = 0.0, extra_args: list[dict | None] | None = None,
-                  stop: list[str] | None = None) -> dict:
-    """Greedy (by default) chat completions. ``concurrency == 1`` sends one request at a time; otherwise all at
-    once, so the engine runs up to ``max_num_seqs`` of them together.
+def engine_counters(llm) -> dict:
+    """vLLM's scheduler counters that show the engine paths a run took: ``{"prefix_cache_hits": tokens served
+    from the prefix cache, "prefix_cache_queries": tokens looked up, "num_preemptions": requests preempted}``
+    (totals since the engine started)."""
+    names = {"vllm:prefix_cache_hits": "prefix_cache_hits", "vllm:prefix_cache_queries": "prefix_cache_queries",
+             "vllm:num_preemptions": "num_preemptions"}
+    out = dict.fromkeys(names.values(), 0)
+    for m in llm.get_metrics():
+        if m.name in names:
+            out[names[m.name]] += int(m.value)
+    return out
 
-    Returns ``{"token_ids": [[...]], "texts": [...], "finish_reasons": [...], "seconds": float,
-    "spec": SpecDecodeCounts as dict}`` (counters are totals since the engine started).
-    """
+
+def _sampling_params(i: int, *, max_tokens: int, temperature: float, top_p: float, top_k: int,
+                     extra_args: list[dict | None] | None, stop: list[str] | None):
     from vllm import SamplingParams
 
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=i,
+                          stop=stop, extra_args=(extra_args[i] if extra_args else None))
+
+
+def generate_with_aborts(llm, conversations: list[list[dict]], *, max_tokens: int, abort_every: int,
+                         abort_after_steps: int, **sampling) -> dict:
+    """All requests at once through the engine's step loop; after ``abort_after_steps`` engine steps, every
+    ``abort_every``-th request (indices 0, k, 2k, ...) is aborted, as a client that goes away would be.
+
+    Prompts are rendered with the tokenizer's chat template (not ``LLM.chat``), so compare with another run of
+    this function. Returns ``generate_chat``'s keys; an aborted request has ``finish_reason`` ``"abort"`` and
+    the tokens it had when it was aborted.
+    """
+    if abort_every < 1 or abort_after_steps < 0:
+        raise ValueError("abort_every must be >= 1 and abort_after_steps >= 0")
+    engine, tok = llm.llm_engine, llm.get_tokenizer()
+    ids = [f"abort-{i}" for i in range(len(conversations))]
+    t0 = time.perf_counter()
+    for i, conv in enumerate(conversations):
+        prompt = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        engine.add_request(ids[i], prompt, _sampling_params(i, max_tokens=max_tokens, **sampling))
+    outs: dict[str, Any] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+        steps += 1
+        if steps == abort_after_steps:
+            engine.abort_request([r for i, r in enumerate(ids)
+                                  if i % abort_every == 0 and not (r in outs and outs[r].finished)])
+    seconds = time.perf_counter() - t0
+    res = [outs.get(r) for r in ids]
+    return {
+        "token_ids": [list(o.outputs[0].token_ids) if o else [] for o in res],
+        "texts": [o.outputs[0].text if o else "" for o in res],
+        "finish_reasons": [(o.outputs[0].finish_reason if o and o.finished else "abort") for o in res],
+        "prompt_tokens": [len(o.prompt_token_ids or []) if o else 0 for o in res],
+        "seconds": seconds,
+        "spec": asdict(spec_decode_counts(llm)),
+    }
+
+
+def generate_chat(llm, conversations: list[list[dict]], *, max_tokens: int, concurrency: int,
+                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                  extra_args: list[dict | None] | None = None, stop: list[str] | None = None) -> dict:
+    """Greedy (by default) chat completions; request ``i`` is seeded with ``i`` when it samples.
+    ``concurrency == 1`` sends one request at a time; otherwise all at once, so the engine runs up to
+    ``max_num_seqs`` of them together.
+
+    Returns ``{"token_ids": [[...]], "texts": [...], "finish_reasons": [...], "prompt_tokens": [int, ...],
+    "seconds": float, "spec": SpecDecodeCounts as dict}`` (counters are totals since the engine started).
+    """
     def params(i):
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, stop=stop,
-                              extra_args=(extra_args[i] if extra_args else None))
+        return _sampling_params(i, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                extra_args=extra_args, stop=stop)
 
     t0 = time.perf_counter()
     if concurrency == 1:
@@ -105,6 +163,7 @@ def generate_chat(llm, conversations: list[list[dict]], *, max_tokens: int, conc
         "token_ids": [list(o.outputs[0].token_ids) for o in outs],
         "texts": [o.outputs[0].text for o in outs],
         "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+        "prompt_tokens": [len(o.prompt_token_ids or []) for o in outs],
         "seconds": seconds,
         "spec": asdict(spec_decode_counts(llm)),
     }
@@ -142,10 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m vllm_entmtp.harness JOB.json OUT.json``: run one engine over the phases of a job.
 
     JOB: ``{"model": dir, "speculative_config": {...} | null, "dtype": "float32", "max_model_len": 1024,
-    "max_num_seqs": 8, "conversations": [[{"role":..., "content":...}], ...], "max_tokens": 64,
+    "max_num_seqs": 8, "engine_args": {more LLM(...) arguments} | null,
+    "conversations": [[{"role":..., "content":...}], ...], "max_tokens": 64,
     "phases": [{"name": "bs1", "concurrency": 1, "extra_args": [...] | null, "stop": [...] | null,
-    "prompts": [indices into conversations] | null}, ...]}``.
-    OUT: ``{phase name: generate_chat(...) result}``; spec counters are per phase (differences).
+    "temperature": 0.0, "top_p": 1.0, "top_k": 0, "prompts": [indices into conversations] | null,
+    "abort_every": k | null, "abort_after_steps": n}, ...]}`` (a phase with ``abort_every`` runs
+    :func:`generate_with_aborts`, its ``concurrency`` ignored).
+    OUT: ``{phase name: generate_chat(...) result + "tree_stats", "entmtp_metrics", "engine" (engine_counters,
+    cumulative)}``; spec counters are per phase (differences).
     """
     import sys
 
@@ -154,15 +217,21 @@ def main(argv: list[str] | None = None) -> int:
     with open(job_path) as f:
         job = json.load(f)
     llm = make_llm(job["model"], job.get("speculative_config"), dtype=job.get("dtype", "float32"),
-                   max_model_len=job.get("max_model_len", 1024), max_num_seqs=job.get("max_num_seqs", 8))
+                   max_model_len=job.get("max_model_len", 1024), max_num_seqs=job.get("max_num_seqs", 8),
+                   **(job.get("engine_args") or {}))
     results, before = {}, SpecDecodeCounts()
     for phase in job["phases"]:
         convs = job["conversations"]
         if phase.get("prompts") is not None:  # a subset of the conversations, by index
             convs = [convs[i] for i in phase["prompts"]]
-        r = generate_chat(llm, convs, max_tokens=job["max_tokens"],
-                          concurrency=phase["concurrency"], extra_args=phase.get("extra_args"),
-                          stop=phase.get("stop"))
+        sampling = {"temperature": phase.get("temperature", 0.0), "top_p": phase.get("top_p", 1.0),
+                    "top_k": phase.get("top_k", 0), "extra_args": phase.get("extra_args"), "stop": phase.get("stop")}
+        if phase.get("abort_every"):
+            r = generate_with_aborts(llm, convs, max_tokens=job["max_tokens"], abort_every=phase["abort_every"],
+                                     abort_after_steps=phase.get("abort_after_steps", 2), **sampling)
+        else:
+            r = generate_chat(llm, convs, max_tokens=job["max_tokens"], concurrency=phase["concurrency"],
+                              **sampling)
         total = SpecDecodeCounts(**r["spec"])
         r["spec"] = asdict(SpecDecodeCounts(
             num_drafts=total.num_drafts - before.num_drafts,
@@ -174,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         before = total
         r["tree_stats"] = tree_stats(llm)
         r["entmtp_metrics"] = entmtp_counters(llm)
+        r["engine"] = engine_counters(llm)
         results[phase["name"]] = r
     dump(results, out_path)
     return 0

@@ -293,6 +293,10 @@ class TreeScheduler:
         """Drop the bins of requests not in ``active_ids``; return how many were dropped."""
         return drop_missing(self._bins, active_ids)
 
+    def tracked_ids(self) -> set[str]:
+        """Ids of the requests the scheduler holds a bin for."""
+        return set(self._bins)
+
     def __len__(self) -> int:
         return len(self._bins)
 

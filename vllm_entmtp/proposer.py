@@ -261,6 +261,90 @@ class HydraDrafter:
         return self.propose(hidden, [Tree.chain(min(x, n)) if x > 0 else None for x in budgets], bonus)
 
 
+class PrefixKVCache:
+    """Per-request K/V cache of a Hydra++ prefix layer (``prefix-mlp`` heads), engine-independent.
+
+    Each step, :meth:`advance` feeds every request the target's hidden states of the tokens the step committed
+    to its context (a prompt chunk; or the verified root and the accepted draft tokens, in path order) with
+    their absolute positions, appends their K/V, and returns the layer's output at the last of them: what the
+    heads read in place of ``h_t``. Tokens whose hidden states the layer never saw (a prompt prefix served
+    from vLLM's prefix cache) are missing from its context; the draft tokens may be worse for it, never the
+    output (verification is unchanged). A request whose new tokens start at or before a position it already
+    holds (recomputed after preemption) has its cache cut there first.
+    """
+
+    def __init__(self, heads: HydraHeads):
+        if heads.prefix_embeding_layer is None:
+            raise ValueError("these heads have no prefix layer")
+        self.heads = heads
+        self._kv: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # k, v [Hkv, P, D]; pos [P]
+
+    @torch.inference_mode()
+    def advance(self, req_ids: Sequence[str], hidden: Sequence[torch.Tensor],
+                positions: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Append each request's committed tokens and return ``[B, hidden_size]``: the prefix layer's output at
+        each request's last new token.
+
+        Args:
+            req_ids: ``B`` request ids.
+            hidden: ``B`` tensors ``[n_i, hidden_size]`` (``n_i >= 1``), the target's hidden states of the new
+                tokens, in the heads' dtype.
+            positions: ``B`` int64 tensors ``[n_i]``, their positions in the request (increasing).
+
+        Raises:
+            ValueError: lengths that do not match, or a request with no new token.
+        """
+        b = len(req_ids)
+        if not (len(hidden) == len(positions) == b):
+            raise ValueError(f"{b} requests but {len(hidden)} hidden-state blocks and {len(positions)} positions")
+        lens = [int(h.shape[0]) for h in hidden]
+        if min(lens, default=1) < 1 or any(int(p.shape[0]) != n for p, n in zip(positions, lens)):
+            raise ValueError("every request needs at least one new token, with one position per hidden state")
+        pasts = []
+        for rid, pos in zip(req_ids, positions):
+            st = self._kv.get(rid)
+            if st is not None and int(st[2][-1]) >= int(pos[0]):  # recomputed: cut the cache before pos[0]
+                keep = st[2] < int(pos[0])
+                st = (st[0][:, keep], st[1][:, keep], st[2][keep]) if bool(keep.any()) else None
+            pasts.append(st)
+        layer = self.heads.prefix_embeding_layer
+        c, dev, dt = layer.config, hidden[0].device, hidden[0].dtype
+        t_max, p_max = max(lens), max((st[2].shape[0] for st in pasts if st is not None), default=0)
+        x = torch.zeros(b, t_max, hidden[0].shape[1], dtype=dt, device=dev)
+        pos = torch.zeros(b, t_max, dtype=torch.long, device=dev)
+        for i, (h, p) in enumerate(zip(hidden, positions)):
+            x[i, :lens[i]] = h
+            pos[i, :lens[i]] = p
+            pos[i, lens[i]:] = p[-1]
+        past = valid = None
+        if p_max:
+            past = (torch.zeros(b, c.num_key_value_heads, p_max, c.head_dim, dtype=dt, device=dev),
+                    torch.zeros(b, c.num_key_value_heads, p_max, c.head_dim, dtype=dt, device=dev))
+            valid = torch.zeros(b, p_max, dtype=torch.bool, device=dev)
+            for i, st in enumerate(pasts):
+                if st is not None:
+                    n = st[2].shape[0]
+                    past[0][i, :, :n], past[1][i, :, :n], valid[i, :n] = st[0], st[1], True
+        out, (k, v) = layer(x, pos, past, valid)
+        for i, (rid, st) in enumerate(zip(req_ids, pasts)):
+            nk, nv, npos = k[i, :, :lens[i]], v[i, :, :lens[i]], positions[i].to(dev)
+            self._kv[rid] = (nk, nv, npos) if st is None else (
+                torch.cat([st[0], nk], dim=1), torch.cat([st[1], nv], dim=1), torch.cat([st[2], npos]))
+        return out[torch.arange(b, device=dev), torch.tensor(lens, device=dev) - 1]
+
+    def free_missing(self, live) -> int:
+        """Drop the caches of requests not in ``live``; return how many were dropped."""
+        from vllm_entmtp.entropy import drop_missing
+
+        return drop_missing(self._kv, live)
+
+    def tracked_ids(self) -> set[str]:
+        return set(self._kv)
+
+    def __len__(self) -> int:
+        return len(self._kv)
+
+
 def make_drafter(heads: MedusaHeads | HydraHeads, target_model, confidence_threshold: float = 0.0
                  ) -> MTPDrafter | HydraDrafter:
     """The drafter for ``heads`` on a vLLM target model (uses its ``compute_logits``, ``embed_input_ids`` and

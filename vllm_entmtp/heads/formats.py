@@ -34,7 +34,10 @@ key in the layout's own names -- never a half-loaded head (FasterDecoding's own 
     ``hydra_num_heads``, ``hydra_num_layers``, ``hydra_head_arch``, ``grounded_heads``,
     ``base_model_name_or_path`` (sizes read from the weights); ``hydra_lm_head.pt`` (or ``.safetensors``) with
     the same weight names as ``entmtp-hydra`` and a full-vocabulary ``hydra_lm_head.{k}`` (with bias) per head.
-    ``prefix-mlp`` / ``cross-attn`` heads (Hydra++) are refused: they run a decoder layer over the context.
+    Hydra++'s ``prefix-mlp`` heads add ``prefix_embeding_layer.*`` (a one-layer ``LlamaModel``; its
+    ``embed_tokens.weight`` is dropped, the layer reads hidden states). That layer's shape is the base model's:
+    it comes from ``prefix_layer`` in ``config.json`` if present, else from the ``config.json`` of the folder
+    ``base_model_name_or_path`` names. ``cross-attn`` / ``eagle-attn`` heads are refused.
 
 Adding a layout: write its four functions and register it at the end of this module::
 
@@ -480,12 +483,38 @@ def _hydra_shapes(wfile: Path) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in _torch_state(wfile).items()}
 
 
+#: Weights of Hydra++ checkpoints that the prefix layer does not use (it reads hidden states, not tokens).
+HYDRA_UNUSED_WEIGHTS = ("prefix_embeding_layer.embed_tokens.weight",)
+
+
+def _hydra_prefix_config(raw: dict, cfg_file: Path):
+    """The prefix layer's shape for a ``prefix-mlp`` checkpoint in Hydra's layout (None for ``mlp``)."""
+    from vllm_entmtp.heads.prefix import PrefixLayerConfig
+
+    if raw.get("hydra_head_arch", "mlp") != "prefix-mlp":
+        return None
+    try:
+        if raw.get("prefix_layer"):
+            return PrefixLayerConfig(**raw["prefix_layer"])
+        base = raw.get("base_model_name_or_path")
+        base_cfg = Path(base) / "config.json" if base else None
+        if base_cfg is None or not base_cfg.is_file():
+            raise HeadsCheckpointError(
+                f"MTP heads checkpoint {cfg_file}: 'prefix-mlp' heads run a decoder layer shaped like the base "
+                f"model's, and base_model_name_or_path={base!r} is not a local folder with a config.json: point it "
+                "at the target model's folder, or add \"prefix_layer\": {\"num_attention_heads\", "
+                "\"num_key_value_heads\", \"head_dim\", \"intermediate_size\", \"rms_norm_eps\", \"rope_theta\"}")
+        return PrefixLayerConfig.from_target_config(json.loads(base_cfg.read_text()))
+    except (ValueError, OSError) as e:  # pydantic's ValidationError is a ValueError
+        raise HeadsCheckpointError(f"MTP heads checkpoint {cfg_file}: prefix layer: {e}") from e
+
+
 def _hydra_config(path: Path) -> tuple[HydraHeadsConfig, Path]:
     """Config of a folder in Hydra's layout: heads and layers from ``config.json``, sizes (and, when the config
     does not say, ``grounded_heads``) from the weights' shapes; then the weights' names are checked."""
     raw, wfile = _hydra_files(path)
     cfg_file = path / CONFIG_NAME
-    shapes = _hydra_shapes(wfile)
+    shapes = {k: v for k, v in _hydra_shapes(wfile).items() if k not in HYDRA_UNUSED_WEIGHTS}
     lin = shapes.get("hydra_mlp.0.0.linear.weight")
     lm = shapes.get("hydra_lm_head.0.weight")
     if lin is None or lm is None:
@@ -499,6 +528,7 @@ def _hydra_config(path: Path) -> tuple[HydraHeadsConfig, Path]:
             hydra_num_heads=_int_field(raw, "hydra_num_heads", cfg_file),
             hydra_num_layers=_int_field(raw, "hydra_num_layers", cfg_file, default=1),
             grounded_heads=bool(grounded), original_lm_head=False,
+            hydra_head_arch=raw.get("hydra_head_arch", "mlp"), prefix_layer=_hydra_prefix_config(raw, cfg_file),
             **{k: v for k, v in raw.items() if k in ("base_model_name_or_path", "entmtp")})
     except ValidationError as e:
         raise HeadsCheckpointError(f"MTP heads checkpoint {cfg_file}: {e}") from e
@@ -510,7 +540,7 @@ def _hydra_read(path: Path, *, hidden_size: int | None = None, vocab_size: int |
     cfg, wfile = _hydra_config(path)
     check_fits(cfg, path, hidden_size, vocab_size)
     state = load_file(str(wfile)) if wfile.suffix == ".safetensors" else _torch_state(wfile)
-    return hydra_from_state(cfg, state, str(wfile))
+    return hydra_from_state(cfg, {k: v for k, v in state.items() if k not in HYDRA_UNUSED_WEIGHTS}, str(wfile))
 
 
 def _hydra_write(heads: nn.Module, path: Path) -> None:
@@ -524,13 +554,14 @@ def _hydra_write(heads: nn.Module, path: Path) -> None:
     torch.save({k: v.detach().float().contiguous().clone() for k, v in heads.state_dict().items()},
                path / HYDRA_WEIGHTS_NAMES[0])
     _write_config(path, cfg, {"hydra_num_heads": cfg.hydra_num_heads, "hydra_num_layers": cfg.hydra_num_layers,
-                              "hydra_head_arch": "mlp", "grounded_heads": cfg.grounded_heads,
-                              "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size})
+                              "hydra_head_arch": cfg.hydra_head_arch, "grounded_heads": cfg.grounded_heads,
+                              "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                              **({"prefix_layer": cfg.prefix_layer.model_dump()} if cfg.prefix_layer else {})})
 
 
 register_layout(HeadsLayout(
     name="hydra",
-    files="config.json (hydra_num_heads, hydra_num_layers, hydra_head_arch 'mlp', grounded_heads) + "
+    files="config.json (hydra_num_heads, hydra_num_layers, hydra_head_arch 'mlp' or 'prefix-mlp', grounded_heads) + "
           "hydra_lm_head.pt or hydra_lm_head.safetensors (hydra_mlp.{k}.{l}.linear.weight/bias, "
           "hydra_mlp.{k}.0.res_connection.weight/bias, hydra_lm_head.{k}.weight/bias)",
     detect=_hydra_detect,

@@ -15,9 +15,12 @@ Architecture (Hydra's ``hydra_head_arch: "mlp"`` with ``grounded_heads: true``; 
 head ``k`` is a :class:`CondResBlock` ``r(x) = R x + SiLU(W x + b)`` from ``(k + 2) * hidden`` to ``hidden``
 features, then ``hydra_num_layers - 1`` residual blocks ``x <- x + SiLU(W x + b)``, then the vocabulary
 projection. The projection is the target's own lm_head (``original_lm_head: true``, frozen, shared; what this
-project trains and ships) or one ``hydra_lm_head.{k}`` per head (Hydra's own checkpoints). Hydra++'s
-``prefix-mlp`` variant adds a decoder layer over the whole context before the heads; it is not supported
-(refused with a clear error), since it needs its own KV cache inside vLLM.
+project trains and ships) or one ``hydra_lm_head.{k}`` per head (Hydra's own checkpoints).
+
+Hydra++'s ``prefix-mlp`` variant (``hydra_head_arch: "prefix-mlp"``) adds one decoder layer over the target's
+hidden states of the whole context (:class:`~vllm_entmtp.heads.prefix.PrefixLayer`, weights
+``prefix_embeding_layer.*``, shape in ``prefix_layer``); the heads then read its output ``p_t`` where the plain
+variant reads ``h_t``. At serving time the drafter keeps that layer's K/V per request.
 
 Draft vocabulary (optional, ``truncated_vocab_size`` + ``token_map``, the convention of vLLM's Medusa model):
 the heads score only ``token_map`` (``[truncated_vocab_size]`` int64 target token ids, usually the most frequent
@@ -43,6 +46,10 @@ from torch import nn
 
 from vllm_entmtp.errors import HeadsCheckpointError
 from vllm_entmtp.heads.medusa import check_fits, check_weights, weight_shapes
+from vllm_entmtp.heads.prefix import PrefixLayer, PrefixLayerConfig
+
+#: ``hydra_head_arch`` values this project runs ("cross-attn" and "eagle-attn" are refused).
+SUPPORTED_ARCHS = ("mlp", "prefix-mlp")
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -58,7 +65,8 @@ class HydraHeadsConfig(BaseModel):
     vocab_size: int = Field(gt=0)
     hydra_num_heads: int = Field(gt=0, le=16)
     hydra_num_layers: int = Field(default=1, ge=1)
-    hydra_head_arch: Literal["mlp"] = "mlp"
+    hydra_head_arch: Literal["mlp", "prefix-mlp"] = "mlp"
+    prefix_layer: PrefixLayerConfig | None = None
     grounded_heads: bool = True
     original_lm_head: bool = True
     truncated_vocab_size: int | None = Field(default=None, gt=0)
@@ -68,7 +76,14 @@ class HydraHeadsConfig(BaseModel):
     def _check(self):
         if self.truncated_vocab_size is not None and self.truncated_vocab_size > self.vocab_size:
             raise ValueError(f"truncated_vocab_size={self.truncated_vocab_size} exceeds vocab_size={self.vocab_size}")
+        if (self.hydra_head_arch == "prefix-mlp") != (self.prefix_layer is not None):
+            raise ValueError("hydra_head_arch 'prefix-mlp' needs prefix_layer (the decoder layer's shape), and "
+                             "only it takes one")
         return self
+
+    @property
+    def has_prefix_layer(self) -> bool:
+        return self.prefix_layer is not None
 
     @property
     def num_heads(self) -> int:
@@ -126,13 +141,26 @@ class HydraHeads(nn.Module):
             self.register_buffer("token_map", torch.arange(config.truncated_vocab_size, dtype=torch.long))
         else:
             self.token_map = None
+        self.prefix_embeding_layer = PrefixLayer(h, config.prefix_layer) if config.has_prefix_layer else None
 
     @property
     def num_heads(self) -> int:
         return self.config.hydra_num_heads
 
+    def prefix(self, hidden: torch.Tensor, positions: torch.Tensor, past=None, valid=None):
+        """The prefix layer over hidden states (:meth:`PrefixLayer.forward`: ``[B, T, hidden]`` in,
+        ``(p [B, T, hidden], (k, v))`` out); the heads read ``p`` in place of ``h``.
+
+        Raises:
+            ValueError: these heads have no prefix layer.
+        """
+        if self.prefix_embeding_layer is None:
+            raise ValueError("these Hydra heads have no prefix layer (hydra_head_arch 'mlp')")
+        return self.prefix_embeding_layer(hidden, positions, past, valid)
+
     def hidden_states(self, k: int, hidden: torch.Tensor, path_emb: torch.Tensor | None) -> torch.Tensor:
-        """Head ``k``'s hidden state ``[N, hidden]``; ``path_emb [N, >= k + 1, hidden]`` (first ``k + 1`` used)."""
+        """Head ``k``'s hidden state ``[N, hidden]``; ``path_emb [N, >= k + 1, hidden]`` (first ``k + 1`` used).
+        ``hidden`` is the target's ``h_t``, or the prefix layer's ``p_t`` for ``prefix-mlp`` heads."""
         if self.config.grounded_heads:
             if path_emb is None or path_emb.shape[1] < k + 1:
                 raise ValueError(f"grounded Hydra head {k} needs the embeddings of {k + 1} path tokens")
@@ -172,17 +200,16 @@ class HydraHeads(nn.Module):
 
 
 def check_hydra_arch(raw: dict, where: str | Path) -> None:
-    """Refuse a Hydra config whose ``hydra_head_arch`` is not ``mlp`` (absent means ``mlp``).
+    """Refuse a Hydra config whose ``hydra_head_arch`` is not in :data:`SUPPORTED_ARCHS` (absent: ``mlp``).
 
     Raises:
         HeadsCheckpointError
     """
     arch = raw.get("hydra_head_arch", "mlp")
-    if arch != "mlp":
+    if arch not in SUPPORTED_ARCHS:
         raise HeadsCheckpointError(
-            f"Hydra heads checkpoint {where}: hydra_head_arch={arch!r} is not supported (supported: 'mlp'); "
-            "'prefix-mlp' and 'cross-attn' heads run a decoder layer over the context, which needs its own KV "
-            "cache in vLLM")
+            f"Hydra heads checkpoint {where}: hydra_head_arch={arch!r} is not supported (supported: "
+            f"{', '.join(map(repr, SUPPORTED_ARCHS))})")
 
 
 def read_hydra_config(path: str | Path) -> HydraHeadsConfig:
@@ -210,7 +237,8 @@ def hydra_weight_shapes(cfg: HydraHeadsConfig) -> dict[str, tuple[int, ...]]:
 
 def describe_hydra_config(cfg: HydraHeadsConfig) -> str:
     """The config fields that decide which weights a checkpoint must hold, for error messages."""
-    return (f"hydra_num_heads={cfg.hydra_num_heads}, hydra_num_layers={cfg.hydra_num_layers}, "
+    return (f"hydra_head_arch={cfg.hydra_head_arch!r}, "
+            f"hydra_num_heads={cfg.hydra_num_heads}, hydra_num_layers={cfg.hydra_num_layers}, "
             f"grounded_heads={cfg.grounded_heads}, original_lm_head={cfg.original_lm_head}, "
             f"truncated_vocab_size={cfg.truncated_vocab_size}, hidden_size={cfg.hidden_size}, "
             f"vocab_size={cfg.vocab_size}")

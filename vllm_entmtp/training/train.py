@@ -96,6 +96,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight of the soft loss against the target's own distribution at the label position "
                         "(over the same candidate tokens as the hard loss); 1 - weight goes to the target's "
                         "argmax (default: %(default)s)")
+    p.add_argument("--prefix-layer", action="store_true",
+                   help="hydra: Hydra++'s prefix layer (hydra_head_arch 'prefix-mlp'), one decoder layer shaped "
+                        "like the target's over the context, whose output the heads read instead of h_t; batches "
+                        "are then whole sequences")
+    p.add_argument("--init-heads", default=None,
+                   help="start from these trained heads of the same kind and shape (e.g. the shipped Hydra heads "
+                        "when adding --prefix-layer); their draft vocabulary is kept")
     p.add_argument("--num-heads", type=int, default=4, help="heads (default: %(default)s)")
     p.add_argument("--num-layers", type=int, default=1, help="residual blocks per head (default: %(default)s)")
     p.add_argument("--positions", type=int, default=1_000_000,
@@ -200,6 +207,7 @@ def prepare_data(args, model_dir: str, log=_log) -> tuple[D.CachedData, dict]:
 
 def _target_info(model) -> dict:
     return {"hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size,
+            "config": model.config.to_dict(),
             "lm_head": model.get_output_embeddings().weight.detach().float().clone(),
             "embed": model.get_input_embeddings().weight.detach().float().clone()}
 
@@ -239,6 +247,73 @@ class HydraAdapter:
 
     def to_tokens(self, cols: torch.Tensor) -> torch.Tensor:
         return self.heads.to_token_ids(cols)
+
+
+class HydraPrefixAdapter(HydraAdapter):
+    """Training view of Hydra++ ``prefix-mlp`` heads: the heads read ``p_t``, the prefix layer's output at ``t``
+    over the target's hidden states of the sequence from its first token to ``t`` (positions counted from the
+    sequence start, as in serving, where they count from the prompt's first token)."""
+
+    def __init__(self, heads, lm_head: torch.Tensor, embed: torch.Tensor, seqs_per_pass: int = 8):
+        super().__init__(heads, lm_head, embed)
+        self.seqs_per_pass = seqs_per_pass
+
+    def prefix_at(self, data: D.CachedData, pos: torch.Tensor) -> torch.Tensor:
+        """``[len(pos), hidden]``: ``p_t`` at global positions ``pos`` (differentiable)."""
+        seq = torch.searchsorted(data.offsets, pos, right=True) - 1
+        uniq = seq.unique()
+        hid = data.hidden.shape[1]
+        idx_parts, val_parts = [], []
+        for c in range(0, len(uniq), self.seqs_per_pass):
+            group = uniq[c:c + self.seqs_per_pass]
+            starts = data.offsets[group]
+            in_group = torch.isin(seq, group)
+            row_of = {int(s): r for r, s in enumerate(group.tolist())}
+            rows = torch.tensor([row_of[int(s)] for s in seq[in_group].tolist()], dtype=torch.long)
+            cols = pos[in_group] - starts[rows]
+            length = int(cols.max()) + 1
+            x = torch.zeros(len(group), length, hid)
+            for r, s0 in enumerate(starts.tolist()):
+                n = min(length, int(data.offsets[group[r] + 1]) - s0)
+                x[r, :n] = data.hidden[s0:s0 + n].float()
+            p, _ = self.heads.prefix(x, torch.arange(length).expand(len(group), length))
+            idx_parts.append(in_group.nonzero().squeeze(1))
+            val_parts.append(p[rows, cols])
+        return torch.zeros(len(pos), hid).index_copy(0, torch.cat(idx_parts), torch.cat(val_parts))
+
+    def outputs(self, data: D.CachedData, pos: torch.Tensor) -> torch.Tensor:
+        K = self.heads.num_heads
+        emb = self.embed[torch.stack([data.tokens[pos + j + 1] for j in range(K)], dim=1)]  # [N, K, H]
+        h = self.prefix_at(data, pos)
+        return torch.stack([self.heads.hidden_states(k, h, emb) for k in range(K)])
+
+
+def init_heads_from(heads, trained) -> None:
+    """Copy every weight of ``trained`` heads into ``heads`` (the same kind and shape; ``heads`` may add a prefix
+    layer, which keeps its initialisation).
+
+    Raises:
+        SystemExit: a weight missing, extra or of another shape, named.
+    """
+    mine, theirs = heads.state_dict(), trained.state_dict()
+    extra = sorted(set(theirs) - set(mine))
+    missing = sorted(k for k in set(mine) - set(theirs) if not k.startswith("prefix_embeding_layer."))
+    shape = sorted(k for k in set(mine) & set(theirs) if mine[k].shape != theirs[k].shape)
+    if extra or missing or shape:
+        raise SystemExit(f"--init-heads: the heads do not match the ones being trained (same --num-heads, "
+                         f"--num-layers, --draft-vocab): extra {extra[:5]}, missing {missing[:5]}, "
+                         f"other shape {shape[:5]}")
+    heads.load_state_dict({**mine, **theirs})
+
+
+def sequence_order(data: D.CachedData, pos: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A permutation of ``pos``'s indices that visits whole sequences in random order (positions of a sequence
+    together, in order): batches cut from it hold a few complete sequences, which the prefix layer runs once."""
+    seq = torch.searchsorted(data.offsets, pos, right=True) - 1
+    uniq = seq.unique()
+    rank = torch.empty(int(uniq.max()) + 1, dtype=torch.long)
+    rank[uniq] = torch.randperm(len(uniq), generator=gen)
+    return torch.sort(rank[seq] * (len(pos) + 1) + torch.arange(len(pos)), stable=True).indices
 
 
 def draft_vocabulary(data: D.CachedData, pos: torch.Tensor, size: int) -> tuple[torch.Tensor, float]:
@@ -369,6 +444,8 @@ def _load_trained(kind: str, path: Path, info: dict):
 def _adapter(heads, info: dict):
     from vllm_entmtp.heads.hydra import HydraHeads
     if isinstance(heads, HydraHeads):
+        if heads.prefix_embeding_layer is not None:
+            return HydraPrefixAdapter(heads, info["lm_head"], info["embed"])
         return HydraAdapter(heads, info["lm_head"], info["embed"])
     return MedusaAdapter(heads, info["lm_head"])
 
@@ -419,14 +496,25 @@ def run(args: argparse.Namespace) -> int:
         cfg = {"hidden_size": info["hidden_size"], "vocab_size": info["vocab_size"], "hydra_num_heads": K,
                "hydra_num_layers": args.num_layers, "grounded_heads": True, "original_lm_head": True,
                "truncated_vocab_size": args.draft_vocab}
+        if args.prefix_layer:
+            from vllm_entmtp.heads.prefix import PrefixLayerConfig
+
+            cfg |= {"hydra_head_arch": "prefix-mlp",
+                    "prefix_layer": PrefixLayerConfig.from_target_config(info["config"]).model_dump()}
     else:
+        if args.prefix_layer:
+            raise SystemExit("--prefix-layer is for --kind hydra")
         if args.draft_vocab is not None:
             raise SystemExit("--draft-vocab is for --kind hydra")
         cfg = {"hidden_size": info["hidden_size"], "vocab_size": info["vocab_size"], "num_heads": K,
                "num_hidden_layers": args.num_layers, "medusa_fc_bias": True, "original_lm_head": True}
     heads = _new_heads(args.kind, cfg)
     cfg = heads.config
-    if args.draft_vocab is not None:
+    if args.init_heads:
+        init_heads_from(heads, _load_trained(args.kind, Path(args.init_heads), info))
+        _log(f"heads initialised from {args.init_heads}" + (" (draft vocabulary included)"
+                                                            if heads.token_map is not None else ""))
+    elif args.draft_vocab is not None:
         vocab, coverage = draft_vocabulary(data, train_pos, args.draft_vocab)
         heads.token_map.copy_(vocab)
         _log(f"draft vocabulary: the {len(vocab)} most frequent target argmax tokens cover {coverage:.1%} of "
@@ -437,7 +525,8 @@ def run(args: argparse.Namespace) -> int:
     total = max(1, int(round(args.epochs * steps_per_epoch)))
     train_key = {k: getattr(args, k) for k in ("num_heads", "num_layers", "epochs", "lr", "weight_decay",
                                               "warmup_steps", "batch_size", "loss", "negatives", "train_on", "seed",
-                                              "kind", "draft_vocab", "teacher_loss_weight")}
+                                              "kind", "draft_vocab", "teacher_loss_weight", "prefix_layer",
+                                              "init_heads")}
     train_key["train_positions"] = len(train_pos)
     train_key["data"] = f"recorded:{args.recorded}" if args.recorded else "text"
     ckpt_dir = work / "train"
@@ -467,7 +556,8 @@ def run(args: argparse.Namespace) -> int:
         while step < total:
             epoch, i = divmod(step, steps_per_epoch)
             perm_gen = torch.Generator().manual_seed(args.seed * 1000 + epoch)
-            perm = torch.randperm(len(train_pos), generator=perm_gen)
+            perm = (sequence_order(data, train_pos, perm_gen) if args.prefix_layer
+                    else torch.randperm(len(train_pos), generator=perm_gen))
             idx = train_pos[perm[i * args.batch_size:(i + 1) * args.batch_size]]
             gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
             for grp in opt.param_groups:
@@ -510,8 +600,9 @@ def run(args: argparse.Namespace) -> int:
         "target": Path(args.model).name,
         "command": "vllm-entmtp train-heads " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["train-heads"]
                                                             else sys.argv[1:]),
-        "method": (f"Hydra self-distillation: head k learns the target's argmax at t+k+1 from h_t and the "
-                   f"embeddings of tokens t+1..t+k+1 (teacher loss weight {args.teacher_loss_weight})"
+        "method": (f"Hydra{'++ prefix-mlp' if args.prefix_layer else ''} self-distillation: head k learns the "
+                   f"target's argmax at t+k+1 from {'p_t (a decoder layer over h_1..h_t)' if args.prefix_layer else 'h_t'}"
+                   f" and the embeddings of tokens t+1..t+k+1 (teacher loss weight {args.teacher_loss_weight})"
                    if args.kind == "hydra" else
                    "Medusa-1 self-distillation: head k learns the target's argmax at t+k+1 from h_t"),
         "data": ({**counts, "recorded": str(args.recorded), "heldout_percent": args.heldout_percent,

@@ -338,6 +338,47 @@ def group_members(pgid: int) -> list[int]:
     return pids
 
 
+#: Environment variables of the server's processes that decide how the CPU runs the model, recorded per run.
+RUNTIME_ENV = ("LD_PRELOAD", "OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU",
+               "VLLM_CPU_KVCACHE_SPACE")
+
+
+def process_env(pids: list[int], keys=RUNTIME_ENV) -> dict[str, list[str]]:
+    """``{key: sorted distinct values}`` of the environment variables ``keys`` over processes ``pids`` (from
+    ``/proc/<pid>/environ``; vLLM-CPU sets ``LD_PRELOAD`` in its own processes, so the server's children are
+    where it shows). Unreadable processes are skipped."""
+    seen: dict[str, set[str]] = {}
+    for pid in pids:
+        try:
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        for item in raw.split(b"\0"):
+            k, sep, v = item.decode(errors="replace").partition("=")
+            if sep and k in keys:
+                seen.setdefault(k, set()).add(v)
+    return {k: sorted(v) for k, v in sorted(seen.items())}
+
+
+def omp_binding(log: Path) -> list[str]:
+    """The "OpenMP thread binding info" block vLLM-CPU's engine logs at start-up (which cores its worker's
+    OpenMP threads are bound to), one string per line, without the log prefixes; [] when absent."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    out: list[str] = []
+    for i, line in enumerate(lines):
+        if "OpenMP thread binding info" in line:
+            prefix = line.split("OpenMP thread binding info")[0]
+            for nxt in lines[i + 1:]:
+                if not nxt.startswith(prefix):
+                    break
+                out.append(nxt[len(prefix):].strip())
+            break
+    return out
+
+
 class Server:
     """One ``vllm serve`` in a process group of its own; ``with Server(...) as s:`` starts it, waits for
     ``/health`` and always stops it (the whole group) and waits for the port to be free again."""
@@ -392,6 +433,11 @@ class Server:
                 raise BenchmarkError(f"the server for method {self.name} was not healthy after {self.timeout:.0f} s "
                                      f"(--startup-timeout); log {self.log}, last lines:\n{log_tail(self.log)}")
             time.sleep(2)
+
+    def runtime(self) -> dict:
+        """How this server's processes run the model on the CPU: ``{"env": process_env(...), "omp_binding":
+        [...]}``."""
+        return {"env": process_env(group_members(self.proc.pid)), "omp_binding": omp_binding(self.log)}
 
     def _wait_group(self, timeout: float) -> bool:
         """Waits up to ``timeout`` s for every live (not zombie) process of the server's group to exit."""
@@ -448,6 +494,7 @@ def run_method(s: Settings, method: Method, model: str, vllm: str, repeat: int, 
     records = []
     with Server(cmd, log, s.port, s.startup_timeout, method.name) as server:
         print(f"[compare]   {method.name} ready after {server.startup_s:.0f} s", flush=True)
+        runtime = server.runtime()
         tasks = [t for t in s.tasks if method.only_task in (None, t)]
         for i, task in enumerate(tasks):
             cfg = throughput_config(s, server.base_url, task, warmup=1 if i == 0 else 0)
@@ -456,6 +503,7 @@ def run_method(s: Settings, method: Method, model: str, vllm: str, repeat: int, 
             result = asyncio.run(tp.run_benchmark(cfg, prompts))
             rec = {"method": method.name, "speculative_config": method.spec, "task": task, "repeat": repeat,
                    "position": position, "server_startup_s": server.startup_s, "server_log": str(log),
+                   "server_runtime": runtime,
                    "wall_s": time.monotonic() - t0, **result}
             raw = s.out / "raw" / f"r{repeat}-{method.name}-{task}.json"
             raw.parent.mkdir(parents=True, exist_ok=True)
@@ -571,6 +619,24 @@ def _ordered(names, order: list[str]) -> list[str]:
     return known + sorted(n for n in names if n not in known)
 
 
+def runtime_lines(runs: list[dict]) -> list[str]:
+    """Report lines: the OpenMP binding and ``LD_PRELOAD`` the servers ran with (one line when all agree)."""
+    seen: dict[str, list[str]] = {}
+    for run in runs:
+        rt = run.get("server_runtime")
+        if rt is None:
+            continue
+        env = rt.get("env", {})
+        key = (f"LD_PRELOAD={', '.join(env.get('LD_PRELOAD', [])) or '(unset)'}; OpenMP binding: "
+               + ("; ".join(rt.get("omp_binding", [])) or "(not logged)"))
+        seen.setdefault(key, [])
+        if run["method"] not in seen[key]:
+            seen[key].append(run["method"])
+    if len(seen) == 1:
+        return [f"- servers: {next(iter(seen))}"]
+    return [f"- servers {', '.join(m)}: {k}" for k, m in seen.items()]
+
+
 def render_report(doc: dict) -> str:
     """``report.md`` of a results document (``results.json``'s content)."""
     s, m = doc["settings"], doc["machine"]
@@ -584,6 +650,7 @@ def render_report(doc: dict) -> str:
            f"- machine: {m.get('cpu_model')}, {m.get('cpu_count')} CPUs ({m.get('usable_cpus')} usable), "
            f"{m.get('platform')}",
            f"- date: {doc['date']} (run {doc['run_id']})",
+           *runtime_lines(doc["runs"]),
            f"- target model: {SERVED_MODEL_NAME}; tasks: {', '.join(s['tasks'])}; concurrency: "
            f"{', '.join(map(str, s['concurrency']))}; {s['num_requests']} requests per level of at most "
            f"{s['max_tokens']} tokens, greedy (temperature 0){', ignore_eos' if s['ignore_eos'] else ''}; "

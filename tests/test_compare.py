@@ -6,6 +6,7 @@ import json
 import socket
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -375,3 +376,29 @@ def test_servers_run_float32_where_bfloat16_gemms_are_not_native(tmp_path):
     assert cp.default_dtype(str(tmp_path / "avx2")) == "float32"
     assert cp.default_dtype(str(tmp_path / "amx")) == "auto"
     assert cp.default_dtype(str(tmp_path / "missing")) == "auto"
+
+
+def test_runtime_of_the_server_processes_is_recorded(tmp_path):
+    """The OpenMP binding comes from the engine's start-up log, the environment from the processes themselves."""
+    log = tmp_path / "server.log"
+    log.write_text("x\n(EngineCore pid=7) INFO 11-30 [ompmultiprocessing.py:185] OpenMP thread binding info: \n"
+                   "(EngineCore pid=7) INFO 11-30 [ompmultiprocessing.py:185] \tVLLM_CPU_OMP_THREADS_BIND='auto'\n"
+                   "(EngineCore pid=7) INFO 11-30 [ompmultiprocessing.py:185] \tlocal_rank=0, core ids=[0]\n"
+                   "(EngineCore pid=7) INFO 11-30 [other.py:1] unrelated\n")
+    assert cp.omp_binding(log) == ["VLLM_CPU_OMP_THREADS_BIND='auto'", "local_rank=0, core ids=[0]"]
+    assert cp.omp_binding(tmp_path / "missing.log") == []
+    import subprocess
+    import sys
+
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "3"}
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(20)"], env=env) for _ in range(2)]
+    try:
+        time.sleep(0.5)
+        assert cp.process_env([p.pid for p in procs]) == {"OMP_NUM_THREADS": ["3"]}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    runs = [{"method": m, "server_runtime": {"env": {"LD_PRELOAD": ["/lib/a.so"]}, "omp_binding": ["core ids=[0]"]}}
+            for m in ("plain", "entmtp")]
+    assert cp.runtime_lines(runs) == ["- servers: LD_PRELOAD=/lib/a.so; OpenMP binding: core ids=[0]"]

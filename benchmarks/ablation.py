@@ -83,9 +83,53 @@ def format_table(summary: dict) -> str:
     return "\n".join(rows)
 
 
+def per_round(result: dict, name: str) -> list[float]:
+    """Tokens/s of variant ``name`` in each round of a result (the spread shows the run's noise)."""
+    return [ph["output_tokens"] / ph["seconds"] for ph in result["phases"] if ph["variant"] == name and ph["seconds"]]
+
+
+def markdown_report(results: list[dict], max_loss: float = 0.02) -> str:
+    """A markdown report of several ablation results (one per task): a table per task, then the verdict on the
+    scheduler's bar (beats every static tree of its set on at least two tasks; never more than ``max_loss``
+    below the best one)."""
+    out, beats, worst = [], [], []
+    for r in results:
+        v, best = r["variants"], r["best_static"]
+        out += [f"### {r['prompt_set']} (tree set `{Path(r['tree_set']).stem}`)", "",
+                f"{r['num_prompts']} prompts x {r['max_tokens']} tokens, {r['repeats']} rounds, {r['dtype']}, one "
+                "engine, one request at a time.", "",
+                "| variant | tokens/s | per round | vs no drafting | vs best static | MAL (bonus incl.) | choice shares |",
+                "|---|---:|---|---:|---:|---:|---|"]
+        for name, o in v.items():
+            shares = ", ".join(f"{t} {p:.0%}" for t, p in o["choice_shares"].items()) if name == SCHEDULED else ""
+            rounds = " / ".join(f"{x:.2f}" for x in per_round(r, name))
+            out.append(f"| {name} | {o['tokens_per_s']:.2f} | {rounds} | {o['vs_no_drafting']:.3f} | "
+                       f"{o['vs_best_static']:.3f} | {o['mean_acceptance_length_incl_bonus']:.3f} | {shares} |")
+        corr = r.get("entropy_acceptance", {})
+        if corr:
+            out += ["", "Pearson r, entropy EMA (nats) when a tree was drafted vs its accepted draft tokens: " + ", ".join(
+                f"{t} {c['r']:+.2f} (n={c['n']})" for t, c in corr.items() if c.get("r") is not None)]
+        out.append("")
+        sched = v[SCHEDULED]["tokens_per_s"]
+        statics = [n for n in v if n.startswith("tree:")]
+        if all(sched > v[n]["tokens_per_s"] for n in statics):
+            beats.append(r["prompt_set"])
+        worst.append((r["prompt_set"], v[SCHEDULED]["vs_best_static"]))
+    ok_beats = len(beats) >= 2
+    ok_loss = all(x >= 1 - max_loss for _, x in worst)
+    out += ["### Verdict", "",
+            f"- beats every static tree of its set on {len(beats)} task(s) ({', '.join(beats) or 'none'}); "
+            f"needed: 2 -> {'met' if ok_beats else 'not met'}",
+            "- scheduled / best static tree: " + ", ".join(f"{t} {x:.3f}" for t, x in worst)
+            + f"; needed: never below {1 - max_loss:.2f} -> {'met' if ok_loss else 'not met'}"]
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tree-set", required=True, help="a tree set with a schedule (name in trees/ or path)")
+    ap.add_argument("--report", nargs="+", metavar="RESULT_JSON",
+                    help="do not run: print a markdown report of these results (--out: write it there)")
+    ap.add_argument("--tree-set", help="a tree set with a schedule (name in trees/ or path); required to run")
     ap.add_argument("--prompt-set", default="humaneval")
     ap.add_argument("--num-prompts", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -99,6 +143,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", default=None, help="heads folder (default: the registered ones)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    if args.report:
+        try:
+            text = markdown_report([json.loads(Path(f).read_text()) for f in args.report])
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            ap.error(f"--report: {e}")
+        if args.out:
+            Path(args.out).write_text(text)
+        print(text, end="")
+        return 0
+    if args.tree_set is None:
+        ap.error("--tree-set is required (or --report FILES)")
     if args.repeats < 1 or args.num_prompts < 1 or args.max_tokens < 1:
         ap.error("--repeats, --num-prompts and --max-tokens must be >= 1")
 

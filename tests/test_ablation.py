@@ -41,6 +41,35 @@ def test_summary_ratios_and_shares():
     assert "scheduled" in ab.format_table(s)
 
 
+def _result(task, tps):
+    """An ablation result whose variants ran at ``tps`` tokens/s (two rounds of 50 tokens each)."""
+    phases = [{"round": r, "variant": n, "output_tokens": 50, "seconds": 50 / t, "num_drafts": 10,
+               "num_accepted_tokens": 5, "chosen": {}} for r in range(2) for n, t in tps.items()]
+    return {"tree_set": f"trees/{task}.json", "prompt_set": task, "num_prompts": 8, "max_tokens": 64, "repeats": 2,
+            "dtype": "float32", "phases": phases, **ab.summarize(phases, list(tps)), "entropy_acceptance": {}}
+
+
+def test_markdown_report_verdict(tmp_path, capsys):
+    good = [_result("humaneval", {"no-drafting": 8, "tree:a": 9, "scheduled": 9.5}),
+            _result("gsm8k", {"no-drafting": 8, "tree:a": 9, "tree:b": 9.2, "scheduled": 9.3}),
+            _result("sharegpt", {"no-drafting": 8, "tree:a": 9, "scheduled": 8.9})]
+    text = ab.markdown_report(good)
+    assert "| scheduled | 9.50 | 9.50 / 9.50 | 1.188 | 1.056 |" in text
+    assert "on 2 task(s) (humaneval, gsm8k); needed: 2 -> met" in text
+    assert "sharegpt 0.989; needed: never below 0.98 -> met" in text
+    bad = good[:1] + [_result("creative", {"no-drafting": 8, "tree:a": 9, "scheduled": 8.7})]
+    text = ab.markdown_report(bad)
+    assert "on 1 task(s) (humaneval); needed: 2 -> not met" in text and "-> not met" in text.splitlines()[-1]
+    import json
+
+    files = []
+    for r in good:
+        files.append(tmp_path / f"{r['prompt_set']}.json")
+        files[-1].write_text(json.dumps(r))
+    assert ab.main(["--report", *map(str, files), "--out", str(tmp_path / "r.md")]) == 0
+    assert (tmp_path / "r.md").read_text() == capsys.readouterr().out == ab.markdown_report(good)
+
+
 def test_entropy_acceptance_correlation():
     s = TreeStats()
     for x, y in [(0.1, 3), (0.5, 2), (1.0, 1), (2.0, 0)]:

@@ -36,14 +36,16 @@ def _time(fn, repeats: int) -> float:
 def main(argv=None) -> int:
     from vllm import _custom_ops as ops
 
-    from vllm_entmtp.patches.tree_attention import tree_rows_attention
+    from vllm_entmtp.patches.tree_attention import tree_rows_attention, tree_rows_plan
     from vllm_entmtp.patches.tree_step import fix_rows_for
     from vllm_entmtp.trees import load_tree_set
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="128,1024,4096")
     ap.add_argument("--nodes", default="4,8,24,63")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"],
+                    help="KV cache and query dtype (default %(default)s: what `make serve` uses on CPUs without "
+                         "AVX-512 BF16)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (vLLM's CPU worker uses 1 here)")
     ap.add_argument("--out", default=None)
@@ -81,8 +83,12 @@ def main(argv=None) -> int:
             mask, fix = tree.ancestor_mask(), fix_rows_for(tree.parents)
             decode = _time(kernel(1), args.repeats) * LAYERS * 1e3
             chain = _time(kernel(t), args.repeats) * LAYERS * 1e3
-            fixt = (_time(lambda: tree_rows_attention(q, cache, block_table[0], seq, t, mask, fix, D ** -0.5),
-                          args.repeats) * LAYERS * 1e3) if fix else 0.0
+            fixt = 0.0
+            if fix:  # as in the engine: the plan once per step, the attention once per layer
+                plan = tree_rows_plan(block_table[0], seq, t, mask, fix, BS)
+                fixt = (_time(lambda: tree_rows_plan(block_table[0], seq, t, mask, fix, BS), args.repeats)
+                        + _time(lambda: tree_rows_attention(q, cache, block_table[0], seq, t, mask, fix, D ** -0.5,
+                                                            plan=plan), args.repeats) * LAYERS) * 1e3
             r = {"context": ctx, "nodes": tree.num_nodes, "decode_ms": decode, "chain_ms": chain,
                  "tree_fix_ms": fixt, "tree_over_chain": (chain + fixt) / chain}
             rows_out.append(r)

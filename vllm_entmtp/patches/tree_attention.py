@@ -4,7 +4,8 @@ vLLM's CPU kernel (``torch.ops._C.cpu_attention_with_kv_cache``) knows causal ma
 draft tokens form a tree, the kernel first runs as usual; then the rows whose causal view is wrong (they would
 see siblings and cousins) are recomputed here with the tree's ancestor-or-self mask: per request and layer, the
 request's K/V blocks are read once from the paged cache (one gather, not one per row), and all its tree rows
-are computed in two batched matmuls in float32. Rows of other requests are untouched.
+are computed in two block-batched matmuls in float32 on the cache's own layout. Rows of other requests are
+untouched.
 
 KV layout: the ``vec`` ISA of the CPU backend (x86 with AVX-512 and without AMX, and fp32 everywhere) stores
 each block as ``[num_kv_heads, 2, block_size * head_size]`` with K transposed (``[head_size, block_size]``)
@@ -24,9 +25,29 @@ from vllm_entmtp.patches.tree_step import STEP
 SUPPORTED_ISA = "vec"
 
 
+def tree_rows_plan(block_ids: torch.Tensor, seq_len: int, num_rows: int, mask: torch.Tensor, rows: list[int],
+                   block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What :func:`tree_rows_attention` needs besides the layer's tensors, the same in every layer of a step:
+    ``(blocks [nblk] int64, rows [r] int64, additive mask [nblk, 1, 1, r, block_size] float32 (0 or -inf))``."""
+    nblk = (seq_len + block_size - 1) // block_size
+    sel = torch.tensor(rows, dtype=torch.long)
+    ctx = seq_len - num_rows
+    allowed = torch.zeros(len(rows), nblk * block_size, dtype=torch.bool)
+    allowed[:, :ctx] = True
+    allowed[:, ctx:seq_len] = mask[sel]
+    bias = torch.zeros(len(rows), nblk * block_size).masked_fill_(~allowed, float("-inf"))
+    bias = bias.view(len(rows), nblk, block_size).permute(1, 0, 2).unsqueeze(1).unsqueeze(2).contiguous()
+    return block_ids[:nblk].long(), sel, bias
+
+
 def tree_rows_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
-                        num_rows: int, mask: torch.Tensor, rows: list[int], scale: float) -> torch.Tensor:
+                        num_rows: int, mask: torch.Tensor, rows: list[int], scale: float,
+                        plan: tuple | None = None) -> torch.Tensor:
     """Attention of tree rows over the context and their ancestors, read from a ``vec``-layout paged cache.
+
+    The request's blocks are gathered once (one copy); scores and outputs are block-batched matmuls on the
+    cache's own layout (K stored ``[head_size, block_size]`` per block and head, V ``[block_size, head_size]``),
+    so the context is not permuted or copied again; only the small score tensor is.
 
     Args:
         query: ``[num_rows, H, D]``, the request's query rows (root first).
@@ -35,6 +56,8 @@ def tree_rows_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: 
         seq_len: context length + ``num_rows`` (the rows' own K/V sit at positions ``seq_len - num_rows ..``).
         mask: ``[num_rows, num_rows]`` bool ancestor-or-self mask.
         rows: which rows to compute.
+        plan: :func:`tree_rows_plan` of these arguments (computed here when None; the attention override
+            computes it once per step and request, not once per layer).
 
     Returns:
         ``[len(rows), H, D]`` in the query's dtype.
@@ -43,21 +66,20 @@ def tree_rows_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: 
     d = two_d // 2
     h = query.shape[1]
     rep = h // hkv
-    nblk = (seq_len + bs - 1) // bs
-    mem = kv_cache.view(nb, hkv, 2, bs * d)[block_ids[:nblk].long()]  # [nblk, Hkv, 2, bs*D]
-    k = mem[:, :, 0].reshape(nblk, hkv, d, bs).permute(1, 2, 0, 3).reshape(hkv, d, nblk * bs).float()
-    v = mem[:, :, 1].reshape(nblk, hkv, bs, d).permute(1, 0, 2, 3).reshape(hkv, nblk * bs, d).float()
-    sel = torch.tensor(rows, dtype=torch.long)
-    r = len(rows)
-    q = query[sel].float().view(r, hkv, rep, d).permute(1, 2, 0, 3).reshape(hkv, rep * r, d)
-    scores = torch.bmm(q, k) * scale  # [Hkv, rep*r, L]
-    ctx = seq_len - num_rows
-    allowed = torch.zeros(r, nblk * bs, dtype=torch.bool)
-    allowed[:, :ctx] = True
-    allowed[:, ctx:seq_len] = mask[sel]
-    scores = scores.view(hkv, rep, r, -1).masked_fill(~allowed, float("-inf")).view(hkv, rep * r, -1)
-    out = torch.bmm(torch.softmax(scores, dim=-1), v)  # [Hkv, rep*r, D]
-    return out.view(hkv, rep, r, d).permute(2, 0, 1, 3).reshape(r, h, d).to(query.dtype)
+    blocks, sel, bias = plan if plan is not None else tree_rows_plan(block_ids, seq_len, num_rows, mask, rows, bs)
+    nblk, r = len(blocks), len(sel)
+    mem = kv_cache.view(nb, hkv, 2, bs * d)[blocks].float()  # [nblk, Hkv, 2, bs*D]
+    k = mem[:, :, 0].view(nblk, hkv, d, bs)  # K^T per block and head
+    v = mem[:, :, 1].view(nblk, hkv, bs, d)
+    q = query[sel].float().view(r, hkv, rep, d).permute(1, 2, 0, 3).reshape(1, hkv, rep * r, d)
+    scores = torch.matmul(q, k)  # [nblk, Hkv, rep*r, bs]
+    scores = scores.view(nblk, hkv, rep, r, bs).mul_(scale).add_(bias)
+    m = scores.amax(dim=(0, 4), keepdim=True)
+    p = (scores - m).exp_()
+    denom = p.sum(dim=(0, 4), keepdim=True)  # [1, Hkv, rep, r, 1]
+    out = torch.matmul(p.view(nblk, hkv, rep * r, bs), v).sum(0)  # [Hkv, rep*r, D]
+    out = out.view(hkv, rep, r, d) / denom[0]
+    return out.permute(2, 0, 1, 3).reshape(r, h, d).to(query.dtype)
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -83,11 +105,16 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         for b, tr in STEP.rows.items():
             if not tr.fix_rows:
                 continue
+            seq_len = int(seq_lens[b])
+            plan = STEP.plans.get(b)
+            if plan is None or plan[0] != seq_len:  # once per step and request, shared by the layers
+                plan = STEP.plans[b] = (seq_len, tree_rows_plan(attn_metadata.block_table[b], seq_len, tr.num_rows,
+                                                                tr.mask, tr.fix_rows, kv_cache.shape[2]))
             q = query[tr.q0:tr.q0 + tr.num_rows].view(tr.num_rows, self.num_heads, self.head_size)
-            res = tree_rows_attention(q, kv_cache, attn_metadata.block_table[b], int(seq_lens[b]), tr.num_rows,
-                                      tr.mask, tr.fix_rows, self.scale)
+            res = tree_rows_attention(q, kv_cache, attn_metadata.block_table[b], seq_len, tr.num_rows,
+                                      tr.mask, tr.fix_rows, self.scale, plan=plan[1])
             o = out[tr.q0:tr.q0 + tr.num_rows].view(tr.num_rows, self.num_heads, self.head_size)
-            o[torch.tensor(tr.fix_rows)] = res
+            o[plan[1][1]] = res
         return out
 
 

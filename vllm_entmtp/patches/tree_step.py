@@ -42,10 +42,13 @@ class TreeStep:
     kv: dict[str, tuple] = field(default_factory=dict)
     row_lo: int = 0
     row_hi: int = 0
+    # batch index -> (seq_len, tree_rows_plan(...)): block ids, rows, mask, the same in every layer of the step
+    plans: dict[int, tuple] = field(default_factory=dict)
 
     def reset(self, rows: dict[int, TreeRows]) -> None:
         self.rows = rows
         self.kv = {}
+        self.plans = {}
         if rows:
             self.row_lo = min(r.q0 for r in rows.values())
             self.row_hi = max(r.q0 + r.num_rows for r in rows.values())

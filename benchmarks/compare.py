@@ -12,7 +12,9 @@ process group) before the next method starts. Servers run `--dtype float32` on C
 
 * ``plain``: no speculation;
 * ``ngram``: vLLM's prompt-lookup drafting (4 tokens, n-grams of 2..4);
-* ``vllm-medusa``: vLLM's own Medusa (a chain of 4) with the shipped Medusa heads;
+* ``vllm-medusa``: vLLM's own Medusa (a chain of 4) with the shipped Medusa heads, converted for it (vLLM does
+  not share the target's lm_head with Medusa heads: a copy goes into the checkpoint,
+  :func:`vllm_entmtp.heads.convert.for_vllm_medusa`, in ``$VLLM_ENTMTP_CACHE/vllm-medusa``);
 * ``medusa-tree`` / ``hydra-tree``: entmtp with the shipped Medusa / Hydra heads and the static tree ``mc12`` of
   the tree set ``ladder``;
 * ``entmtp``: ``{"method": "entmtp"}``, the plugin's defaults;
@@ -810,6 +812,29 @@ def write_outputs(doc: dict, out_dir: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ main
+def for_vllm(method: Method, model: str) -> Method:
+    """``method`` with its heads converted for vLLM's own ``medusa`` method (which does not share the target's
+    lm_head; :func:`vllm_entmtp.heads.convert.for_vllm_medusa`); other methods unchanged.
+
+    Raises:
+        BenchmarkError: the heads cannot be converted.
+    """
+    import dataclasses
+
+    if not method.spec or method.spec.get("method") != "medusa":
+        return method
+    from vllm_entmtp.errors import HeadsCheckpointError
+    from vllm_entmtp.heads.convert import for_vllm_medusa
+    from vllm_entmtp.models import cache_dir
+
+    src = Path(method.spec["model"])
+    try:
+        dst = for_vllm_medusa(src, model, cache_dir() / "vllm-medusa" / src.name)
+    except HeadsCheckpointError as e:
+        raise BenchmarkError(f"method {method.name}: {e}") from None
+    return dataclasses.replace(method, spec={**method.spec, "model": str(dst)})
+
+
 def print_methods(available: dict[str, Method], skipped: dict[str, str]) -> None:
     for name in method_order():
         if name in available:
@@ -832,6 +857,7 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_entmtp.models import prepare_default_model
 
         model, vllm = str(prepare_default_model()), vllm_executable()
+        s.methods = [for_vllm(m, model) for m in s.methods]
     except (BenchmarkError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

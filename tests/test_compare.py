@@ -402,3 +402,19 @@ def test_runtime_of_the_server_processes_is_recorded(tmp_path):
     runs = [{"method": m, "server_runtime": {"env": {"LD_PRELOAD": ["/lib/a.so"]}, "omp_binding": ["core ids=[0]"]}}
             for m in ("plain", "entmtp")]
     assert cp.runtime_lines(runs) == ["- servers: LD_PRELOAD=/lib/a.so; OpenMP binding: core ids=[0]"]
+
+
+def test_vllm_medusa_gets_heads_converted_for_vllm(monkeypatch, tmp_path):
+    import vllm_entmtp.heads.convert as conv
+    import vllm_entmtp.models as models
+
+    monkeypatch.setattr(models, "cache_dir", lambda: tmp_path)
+    calls = []
+    monkeypatch.setattr(conv, "for_vllm_medusa", lambda src, model, dst: calls.append((src, model, dst)) or dst)
+    m = cp.Method("vllm-medusa", {"method": "medusa", "model": "/heads/medusa", "num_speculative_tokens": 4})
+    out = cp.for_vllm(m, "/model")
+    assert out.spec == {"method": "medusa", "model": str(tmp_path / "vllm-medusa" / "medusa"),
+                        "num_speculative_tokens": 4}
+    assert calls == [(cp.Path("/heads/medusa"), "/model", tmp_path / "vllm-medusa" / "medusa")]
+    plain = cp.Method("plain", None)
+    assert cp.for_vllm(plain, "/model") is plain

@@ -268,3 +268,34 @@ def test_entmtp_speculative_config_takes_fasterdecoding_heads(tmp_path, target_m
                            method="entmtp", model=str(tmp_path))
     assert sc.entmtp_heads == str(tmp_path) and sc.num_speculative_tokens == 1
     assert sc.draft_model_config.get_hidden_size() == h
+
+
+def test_medusa_heads_for_vllms_own_medusa_method_carry_the_target_lm_head(tmp_path):
+    """vLLM's medusa method never shares the target's lm_head: with original_lm_head it reads
+    ``lm_heads.0.weight`` from the checkpoint (else the lm_head stays uninitialised and nothing is accepted)."""
+    import json as _json
+
+    from safetensors.torch import load_file, save_file
+
+    from vllm_entmtp.heads.convert import for_vllm_medusa
+    from vllm_entmtp.heads.medusa import MedusaHeads, MedusaHeadsConfig
+
+    heads = MedusaHeads(MedusaHeadsConfig(hidden_size=8, vocab_size=20, num_heads=2, original_lm_head=True))
+    heads.save(tmp_path / "ours")
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(_json.dumps({"tie_word_embeddings": True}))
+    emb = torch.randn(20, 8)
+    save_file({"model.embed_tokens.weight": emb}, str(target / "model.safetensors"))
+    out = for_vllm_medusa(tmp_path / "ours", target, tmp_path / "vllm")
+    state = load_file(str(out / "model.safetensors"))
+    assert torch.equal(state["lm_heads.0.weight"], emb)
+    assert set(state) - {"lm_heads.0.weight"} == set(load_file(str(tmp_path / "ours" / "model.safetensors")))
+    assert _json.loads((out / "config.json").read_text())["original_lm_head"] is True
+    mtime = (out / "model.safetensors").stat().st_mtime_ns
+    assert for_vllm_medusa(tmp_path / "ours", target, tmp_path / "vllm") == out  # up to date: kept
+    assert (out / "model.safetensors").stat().st_mtime_ns == mtime
+    save_file({"model.embed_tokens.weight": torch.randn(21, 8)}, str(target / "model.safetensors"))
+    (out / "entmtp-source.json").unlink()
+    with pytest.raises(HeadsCheckpointError, match=r"lm_head is \(21, 8\)"):
+        for_vllm_medusa(tmp_path / "ours", target, tmp_path / "vllm")

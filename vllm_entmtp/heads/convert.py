@@ -62,6 +62,44 @@ def read_target_lm_head(model_dir: str | Path) -> tuple[torch.Tensor, str]:
                                f"(tie_word_embeddings={tied})")
 
 
+def for_vllm_medusa(src: str | Path, target_model: str | Path, dst: str | Path) -> Path:
+    """Medusa heads that share the target's lm_head, made loadable by vLLM's own ``medusa`` method: vLLM never
+    shares the target's lm_head with a Medusa draft model; with ``original_lm_head: true`` it reads the one
+    lm_head from the checkpoint's ``lm_heads.0.weight`` and otherwise leaves it uninitialised (every draft token
+    is then rejected). ``dst`` gets ``src``'s ``config.json`` and weights plus the target's lm_head as
+    ``lm_heads.0.weight`` (float32, ``[vocab, hidden]``, about 113 MB for SmolLM2-135M). Idempotent: an
+    up-to-date ``dst`` is kept.
+
+    Raises:
+        HeadsCheckpointError: ``src`` is not Medusa heads in vLLM's layout that share the target's lm_head, or
+            the target's lm_head does not fit them.
+    """
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    if detect_layout(src) != "vllm":
+        raise HeadsCheckpointError(f"{src}: vLLM's medusa method needs Medusa heads in vLLM's layout")
+    cfg = json.loads((src / "config.json").read_text())
+    if not cfg.get("original_lm_head"):
+        raise HeadsCheckpointError(f"{src}: these heads carry their own lm_heads; vLLM loads them as they are")
+    stamp = dst / "entmtp-source.json"
+    key = {"src": str(src.resolve()), "mtime": (src / "model.safetensors").stat().st_mtime_ns,
+           "target": str(Path(target_model).resolve())}
+    if stamp.is_file() and json.loads(stamp.read_text()) == key:
+        return dst
+    weight, _ = read_target_lm_head(target_model)
+    if weight.shape != (cfg["vocab_size"], cfg["hidden_size"]):
+        raise HeadsCheckpointError(f"the target's lm_head is {tuple(weight.shape)}, the heads need "
+                                   f"({cfg['vocab_size']}, {cfg['hidden_size']})")
+    dst.mkdir(parents=True, exist_ok=True)
+    state = load_file(str(src / "model.safetensors"))
+    state["lm_heads.0.weight"] = weight.contiguous()
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    stamp.write_text(json.dumps(key) + "\n")
+    return dst
+
+
 def shares_target_lm_head(heads) -> bool:
     """Whether ``heads`` (Medusa or Hydra) use the target's lm_head instead of their own."""
     if isinstance(heads, HydraHeads):

@@ -193,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     final_stats = raw[f"{order[-1][0]}:{order[-1][1]}"]["tree_stats"]
     summary = summarize(phases, list(vs))
     summary["entropy_acceptance"] = final_stats.get("entropy_acceptance", {})
-    result = {"tree_set": str(ts.source), "prompt_set": args.prompt_set, "num_prompts": len(prompts),
+    source = Path(ts.source).resolve()
+    shown = source.relative_to(Path.cwd()) if source.is_relative_to(Path.cwd()) else source  # no machine paths
+    result = {"tree_set": str(shown), "prompt_set": args.prompt_set, "num_prompts": len(prompts),
               "max_tokens": args.max_tokens, "repeats": args.repeats, "dtype": args.dtype, "phases": phases,
               **summary}
     print(f"{args.prompt_set}: {len(prompts)} prompts x {args.max_tokens} tokens, tree set {ts.name}, "

@@ -67,13 +67,13 @@ def _prefix_heads(hydra_dir: str, model_dir: str, out) -> str:
     read). Trained prefix heads are not shipped; these test the serving path, not draft quality."""
     from vllm_entmtp.heads.hydra import HydraHeads, HydraHeadsConfig, load_hydra_heads
     from vllm_entmtp.heads.prefix import PrefixLayerConfig
+    from vllm_entmtp.training.train import init_heads_from
 
     base = load_hydra_heads(hydra_dir)
     target = json.loads((Path(model_dir) / "config.json").read_text())
     heads = HydraHeads(HydraHeadsConfig(**(base.config.model_dump() | {
         "hydra_head_arch": "prefix-mlp", "prefix_layer": PrefixLayerConfig.from_target_config(target).model_dump()})))
-    missing, unexpected = heads.load_state_dict(base.state_dict(), strict=False)
-    assert not unexpected and all(k.startswith("prefix_embeding_layer.") for k in missing)
+    init_heads_from(heads, base)  # what train-heads --init-heads does
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in heads.prefix_embeding_layer.named_parameters():

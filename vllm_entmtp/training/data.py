@@ -231,6 +231,10 @@ class CachedData:
                 chunks.append(torch.arange(b, e))
         return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.long)
 
+    def sequence_of(self, pos: torch.Tensor) -> torch.Tensor:
+        """Index of the sequence holding each global position in ``pos`` (int64, same shape)."""
+        return torch.searchsorted(self.offsets, pos, right=True) - 1
+
     def labels(self, pos: torch.Tensor, num_heads: int) -> torch.Tensor:
         """``[num_heads, len(pos)]``: the target's argmax at ``t + k + 1`` for head ``k``."""
         return torch.stack([self.argmax[pos + k + 1] for k in range(num_heads)])

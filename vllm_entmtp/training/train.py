@@ -260,7 +260,7 @@ class HydraPrefixAdapter(HydraAdapter):
 
     def prefix_at(self, data: D.CachedData, pos: torch.Tensor) -> torch.Tensor:
         """``[len(pos), hidden]``: ``p_t`` at global positions ``pos`` (differentiable)."""
-        seq = torch.searchsorted(data.offsets, pos, right=True) - 1
+        seq = data.sequence_of(pos)
         uniq = seq.unique()
         hid = data.hidden.shape[1]
         idx_parts, val_parts = [], []
@@ -309,7 +309,7 @@ def init_heads_from(heads, trained) -> None:
 def sequence_order(data: D.CachedData, pos: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """A permutation of ``pos``'s indices that visits whole sequences in random order (positions of a sequence
     together, in order): batches cut from it hold a few complete sequences, which the prefix layer runs once."""
-    seq = torch.searchsorted(data.offsets, pos, right=True) - 1
+    seq = data.sequence_of(pos)
     uniq = seq.unique()
     rank = torch.empty(int(uniq.max()) + 1, dtype=torch.long)
     rank[uniq] = torch.randperm(len(uniq), generator=gen)
@@ -552,12 +552,15 @@ def run(args: argparse.Namespace) -> int:
     heads.train()
     t_seg = time.time()
     ema = None
+    perm_epoch, perm = None, None
     with tqdm(total=total, initial=step, desc="train heads", unit="step", mininterval=10) as bar:
         while step < total:
             epoch, i = divmod(step, steps_per_epoch)
-            perm_gen = torch.Generator().manual_seed(args.seed * 1000 + epoch)
-            perm = (sequence_order(data, train_pos, perm_gen) if args.prefix_layer
-                    else torch.randperm(len(train_pos), generator=perm_gen))
+            if epoch != perm_epoch:  # the epoch's order, drawn once (it depends on the seed and epoch only)
+                perm_gen = torch.Generator().manual_seed(args.seed * 1000 + epoch)
+                perm = (sequence_order(data, train_pos, perm_gen) if args.prefix_layer
+                        else torch.randperm(len(train_pos), generator=perm_gen))
+                perm_epoch = epoch
             idx = train_pos[perm[i * args.batch_size:(i + 1) * args.batch_size]]
             gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
             for grp in opt.param_groups:

@@ -4,7 +4,8 @@ statically, and the scheduled policy.
     python benchmarks/ablation.py --tree-set humaneval --prompt-set humaneval --num-prompts 10 --max-tokens 96
     python benchmarks/ablation.py --tree-set gsm8k --prompt-set gsm8k --repeats 2 --out runs/ablation-gsm8k.json
 
-One vLLM engine runs ``{"method": "entmtp", "tree_set": SET, "policy": "entropy"}``; the variants differ only in
+One vLLM engine runs ``{"method": "entmtp", "tree_set": SET, "policy": SIGNAL}`` (the signal of the set's
+schedule: ``entropy`` or ``confidence``); the variants differ only in
 each request's ``extra_args``: ``entmtp_num_draft_tokens: 0`` (no drafting), ``entmtp_tree_id: ID`` (that tree
 every step, the schedule ignored) or nothing (the schedule). Every variant is a phase that sends the same
 prompts one request at a time; with ``--repeats`` the phases are rotated each round (interleaved), and
@@ -12,8 +13,15 @@ tokens/s are summed over the rounds. Same engine, same process, same prompts: th
 
 Per variant: output tokens/s and its ratio to no drafting and to the best static tree, mean acceptance length
 (bonus token included; vLLM's counters), and for the schedule the share of steps each tree was chosen. Per tree:
-the Pearson correlation between the request's entropy EMA when the tree was drafted (nats) and the number of its
-draft tokens accepted (bonus excluded), pooled over the phases. "No drafting" here still runs the speculative
+the Pearson correlation between the request's entropy EMA when the tree was drafted (nats), and its path
+confidence when tracked (the ``confidence`` policy), and the number of its draft tokens accepted (bonus
+excluded), pooled over the phases.
+
+Step cost per tree size (``step_cost_by_nodes`` in the result; ``vllm-entmtp build-trees --step-costs`` reads
+it): the median time of a one-request decode step that verifies N draft nodes, over the median of one that
+verifies none (``step_ms``: the engine times its steps, ``vllm_entmtp.stats.StepTimer``). Medians of hundreds
+of steps shrug off the load spikes that move a tokens/s ratio by 5-10 % on a shared machine. (The tokens/s
+estimate, ``MAL x (tokens/s without drafting) / (tokens/s with the tree)``, is ``step_cost_by_nodes_from_rates``.) "No drafting" here still runs the speculative
 pipeline with empty drafts; plain decoding without it is ``benchmarks/compare.py``'s baseline.
 """
 from __future__ import annotations
@@ -71,6 +79,18 @@ def summarize(phases: list[dict], names: list[str]) -> dict:
     return {"variants": out, "best_static": best}
 
 
+def step_cost_from_rates(summary: dict, nodes_of: dict[str, int]) -> dict[str, float]:
+    """``{nodes: step cost relative to no drafting}`` of the static trees (``nodes_of``: tree id -> nodes);
+    trees of the same size averaged; node counts as strings (JSON keys), sorted."""
+    base = summary["variants"].get(NO_DRAFT, {}).get("tokens_per_s")
+    per: dict[int, list[float]] = {}
+    for name, o in summary["variants"].items():
+        if name.startswith("tree:") and base and o["tokens_per_s"]:
+            cost = o["mean_acceptance_length_incl_bonus"] * base / o["tokens_per_s"]
+            per.setdefault(nodes_of[name[len("tree:"):]], []).append(cost)
+    return {str(n): round(sum(v) / len(v), 4) for n, v in sorted(per.items())}
+
+
 def format_table(summary: dict) -> str:
     rows = [f"{'variant':<22} {'tok/s':>7} {'vs none':>8} {'vs best':>8} {'MAL':>6}  choice shares",
             "-" * 90]
@@ -105,11 +125,17 @@ def markdown_report(results: list[dict], max_loss: float = 0.02) -> str:
             rounds = " / ".join(f"{x:.2f}" for x in per_round(r, name))
             out.append(f"| {name} | {o['tokens_per_s']:.2f} | {rounds} | {o['vs_no_drafting']:.3f} | "
                        f"{o['vs_best_static']:.3f} | {o['mean_acceptance_length_incl_bonus']:.3f} | {shares} |")
-        corr = r.get("entropy_acceptance", {})
-        if corr:
-            out += ["", "Pearson r, entropy EMA (nats) when a tree was drafted vs its accepted draft tokens: " + ", ".join(
-                f"{t} {c['r']:+.2f} (n={c['n']})" for t, c in corr.items() if c.get("r") is not None)]
+        for key, what in (("entropy_acceptance", "entropy EMA (nats)"), ("confidence_acceptance", "path confidence")):
+            corr = r.get(key, {})
+            if corr:
+                out += ["", f"Pearson r, {what} when a tree was drafted vs its accepted draft tokens: " + ", ".join(
+                    f"{t} {c['r']:+.2f} (n={c['n']})" for t, c in corr.items() if c.get("r") is not None)]
+        if r.get("step_cost_by_nodes"):
+            out += ["", "Step cost by draft nodes (no drafting = 1; MAL x tokens/s without drafting / tokens/s): "
+                    + ", ".join(f"{n}: {c:.3f}" for n, c in r["step_cost_by_nodes"].items())]
         out.append("")
+        if SCHEDULED not in v:  # a step-cost run (--no-schedule): no verdict
+            continue
         sched = v[SCHEDULED]["tokens_per_s"]
         statics = [n for n in v if n.startswith("tree:")]
         if all(sched > v[n]["tokens_per_s"] for n in statics):
@@ -138,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="rounds, phases rotated each round (default 1)")
     ap.add_argument("--all-trees", action="store_true",
                     help="every tree of the set statically, not only the schedule's")
+    ap.add_argument("--no-schedule", action="store_true",
+                    help="leave out the scheduled variant (e.g. measuring step costs with --all-trees)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--model", default=None, help="target model folder (default: the prepared default model)")
     ap.add_argument("--heads", default=None, help="heads folder (default: the registered ones)")
@@ -161,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_entmtp.datasets import load_prompts
     from vllm_entmtp.harness import run_job
     from vllm_entmtp.models import prepare_default_model
+    from vllm_entmtp.stats import STEP_TIMES_ENV, step_costs_from_times
     from vllm_entmtp.trees import NO_DRAFT_ID, load_tree_set
 
     ts = load_tree_set(args.tree_set)
@@ -168,10 +197,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"tree set {ts.source} has no schedule: give --all-trees, or a set built by vllm-entmtp build-trees")
     tree_ids = ts.ids if args.all_trees else [t for t in ts.schedule.tree_ids if t != NO_DRAFT_ID]
     vs = dict(variants(tree_ids))
+    if args.no_schedule:
+        vs.pop(SCHEDULED)
     order = phase_order(list(vs), args.repeats)
     prompts = load_prompts(args.prompt_set, limit=args.num_prompts, max_chars=args.max_prompt_chars)
     convs = [p.messages for p in prompts]
-    spec = {"method": "entmtp", "tree_set": str(ts.source), "policy": "entropy"}
+    policy = ts.schedule.signal if ts.schedule is not None else "entropy"
+    spec = {"method": "entmtp", "tree_set": str(ts.source), "policy": policy,
+            # room for every tree measured (the default is the largest tree of the schedule)
+            "num_speculative_tokens": max(ts.get(t).num_nodes for t in tree_ids)}
+    os.environ[STEP_TIMES_ENV] = "1"  # the engine times its steps by draft nodes (StepTimer)
     if args.heads:
         spec["model"] = args.heads
     job = {"model": args.model or str(prepare_default_model()), "speculative_config": spec, "dtype": args.dtype,
@@ -193,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     final_stats = raw[f"{order[-1][0]}:{order[-1][1]}"]["tree_stats"]
     summary = summarize(phases, list(vs))
     summary["entropy_acceptance"] = final_stats.get("entropy_acceptance", {})
+    summary["confidence_acceptance"] = final_stats.get("confidence_acceptance", {})
+    summary["step_ms"] = final_stats.get("step_ms", {})
+    summary["step_cost_by_nodes"] = step_costs_from_times(summary["step_ms"])
+    summary["step_cost_by_nodes_from_rates"] = step_cost_from_rates(summary, {t: ts.get(t).num_nodes
+                                                                              for t in tree_ids})
+    summary["policy"] = policy
     source = Path(ts.source).resolve()
     shown = source.relative_to(Path.cwd()) if source.is_relative_to(Path.cwd()) else source  # no machine paths
     result = {"tree_set": str(shown), "prompt_set": args.prompt_set, "num_prompts": len(prompts),
@@ -201,10 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.prompt_set}: {len(prompts)} prompts x {args.max_tokens} tokens, tree set {ts.name}, "
           f"{args.repeats} round(s), {args.dtype}, one engine")
     print(format_table(summary))
-    corr = summary["entropy_acceptance"]
-    if corr:
-        print("entropy EMA (nats) vs accepted draft tokens, Pearson r per tree: " + ", ".join(
-            f"{t} {v['r']:+.2f} (n={v['n']})" for t, v in corr.items() if v.get("r") is not None))
+    for key, what in (("entropy_acceptance", "entropy EMA (nats)"), ("confidence_acceptance", "path confidence")):
+        corr = summary[key]
+        if corr:
+            print(f"{what} vs accepted draft tokens, Pearson r per tree: " + ", ".join(
+                f"{t} {v['r']:+.2f} (n={v['n']})" for t, v in corr.items() if v.get("r") is not None))
+    print("step cost by draft nodes (no drafting = 1), median step times: " + ", ".join(
+        f"{n}: {c:.3f}" for n, c in summary["step_cost_by_nodes"].items()))
+    print("  from tokens/s and MAL: " + ", ".join(
+        f"{n}: {c:.3f}" for n, c in summary["step_cost_by_nodes_from_rates"].items()))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -84,3 +84,34 @@ def test_entropy_acceptance_correlation():
         sum((a - mx) ** 2 for a in xs) * sum((b - my) ** 2 for b in ys))
     assert d["t"]["r"] == pytest.approx(r)
     assert pearson(0, 0, 0, 0, 0, 0)["r"] is None
+    assert s.as_dict()["confidence_acceptance"] == {}  # not tracked
+    s.record_signal("t", None, 2, confidence=0.9)
+    s.record_signal("t", None, 0, confidence=0.1)
+    c = s.as_dict()["confidence_acceptance"]
+    assert c["t"]["n"] == 2 and c["t"]["r"] == pytest.approx(1.0) and c["t"]["mean_signal"] == pytest.approx(0.5)
+    assert s.as_dict()["entropy_acceptance"]["t"]["n"] == 4  # None entropies are not averaged in
+
+
+def test_step_cost_by_nodes():
+    summary = ab.summarize(
+        [{"variant": v, "output_tokens": t, "seconds": 10.0, "num_drafts": d, "num_accepted_tokens": a, "chosen": {}}
+         for v, t, d, a in [("no-drafting", 100, 0, 0), ("tree:a", 120, 80, 40), ("tree:b", 100, 50, 50),
+                            ("tree:c", 90, 60, 30)]], ["no-drafting", "tree:a", "tree:b", "tree:c", "scheduled"])
+    # a: MAL 1.5 at 12 tok/s vs 10: cost 1.25; b: MAL 2 at 10: 2.0; c: MAL 1.5 at 9: 1.6667
+    assert ab.step_cost_from_rates(summary, {"a": 1, "b": 4, "c": 4}) == {"1": 1.25, "4": round((2 + 15 / 9) / 2, 4)}
+
+
+def test_step_timer_medians_and_costs():
+    from vllm_entmtp.stats import StepTimer, step_costs_from_times
+
+    t = StepTimer(cap=4)
+    for x in (0.10, 0.11, 0.50, 0.09):  # one spike: the median ignores it
+        t.record(0, x)
+    for x in (0.12, 0.13, 0.14, 0.9, 0.13, 0.13):  # past the cap the oldest are overwritten (0.12, 0.13 go)
+        t.record(2, x)
+    sm = t.summary()
+    assert sm["0"]["n"] == 4 and sm["0"]["median_ms"] == pytest.approx(105.0)
+    assert sm["2"]["n"] == 4 and sorted(t._times[2]) == [0.13, 0.13, 0.14, 0.9]
+    assert sm["2"]["median_ms"] == pytest.approx(135.0)
+    assert step_costs_from_times(sm) == {"2": round(135 / 105, 4)}
+    assert step_costs_from_times({"2": sm["2"]}) == {}  # no 0-node steps: no reference

@@ -101,10 +101,63 @@ def test_bins_and_rank_tables():
     assert bins[0].P == [[0.5, 0.5], [0.5, 0.0]]  # head 1: ranks 0 and 9 (a miss)
     assert bins[1].P == [[0.5, 0.0], [0.5, 0.5]]  # head 0: 0, 0, 3, 2; head 1: 0 and 1 (two unlabelled)
     assert bins[1].labels_per_depth == [4, 2]
-    assert bins[0].mean_entropy == pytest.approx(0.15) and bins[1].hi == math.inf
+    assert bins[0].mean_signal == pytest.approx(0.15) and bins[1].hi == math.inf
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 1.0, 1.0, 0.0]])
     assert C.true_token_ranks(logits, torch.tensor([3, -1]), cap=8).tolist() == [1, 8]
     assert C.true_token_ranks(logits, torch.tensor([0, 2]), cap=1).tolist() == [1, 1]
+
+
+def test_confidence_bins_go_from_most_to_least_confident():
+    conf = torch.tensor([0.9, 0.8, 0.5, 0.4, 0.2, 0.1])
+    ranks = torch.zeros(6, 1, dtype=torch.int16)
+    ranks[3:] = 5  # the less confident half misses
+    edges = C.quantile_edges(-conf, 2, lower=-1.0)
+    assert edges == [-0.45]
+    bins = C.bin_statistics(-conf, ranks, edges, max_rank=2, signal="confidence")
+    assert [b.positions for b in bins] == [3, 3] and bins[0].P == [[1.0, 0.0]] and bins[1].P == [[0.0, 0.0]]
+    assert bins[0].signal_range() == (0.45, 1.0) and bins[1].signal_range() == (None, 0.45)
+    assert bins[0].mean_signal == pytest.approx(2.2 / 3) and bins[0].to_json()["confidence_range"] == [0.45, 1.0]
+    assert C.edge_scores([0.6, 0.2], "confidence") == [-0.6, -0.2]
+    for bad, sig in (([0.2, 0.6], "confidence"), ([1.0], "confidence"), ([0.6, 0.2], "entropy")):
+        with pytest.raises(ValueError, match="--edges"):
+            C.edge_scores(bad, sig)
+
+
+def test_signal_series_is_what_the_runtime_tracker_holds():
+    from vllm_entmtp.entropy import EntropyTracker
+
+    recs = [{"entropy": torch.tensor([1.0, 0.0, 2.0]), "head_top1": torch.tensor([[0.5, 0.4], [0.9, 0.8],
+                                                                               [0.1, 0.5]])},
+            {"entropy": torch.tensor([0.3]), "head_top1": torch.tensor([[0.2, 0.2]])}]
+    ent = C.signal_series(recs, "entropy", 2)
+    b = 0.5  # window 2: beta = 1/2, bias-corrected; a new record starts a new EMA
+    m = [(1 - b) * 1.0, b * (1 - b) * 1.0, b * b * (1 - b) * 1.0 + (1 - b) * 2.0]  # EMA before correction
+    assert ent.tolist() == pytest.approx([m[0] / (1 - b), m[1] / (1 - b ** 2), m[2] / (1 - b ** 3), 0.3])
+    tr = EntropyTracker(entropy_window=2)
+    for e in (1.0, 0.0, 2.0):
+        tr.update("r", e)
+    assert ent[2].item() == pytest.approx(tr.signals("r").entropy_ema)
+    conf = C.signal_series(recs, "confidence", 1)  # window 1: this position's path confidence, negated
+    assert conf.tolist() == pytest.approx([-0.2, -0.72, -0.05, -0.04])
+    first = C.signal_series(recs, "confidence", 1, confidence_heads=1)  # the first head's only
+    assert first.tolist() == pytest.approx([-0.5, -0.9, -0.1, -0.2])
+    with pytest.raises(ValueError, match="unknown signal"):
+        C.signal_series(recs, "nope", 1)
+
+
+def test_step_costs_file_and_interpolation(tmp_path):
+    f = tmp_path / "cost.json"
+    f.write_text(json.dumps({"step_cost_by_nodes": {"0": 1.0, "1": 1.2, "4": 1.5, "2": 1.1}}))
+    costs = C.read_step_costs(f)
+    assert costs == {1: 1.2, 2: 1.1, 4: 1.5}
+    assert C.interpolate_cost(costs, 1) == pytest.approx(1.2)
+    assert C.interpolate_cost(costs, 2) == pytest.approx(1.2)  # never cheaper than fewer nodes
+    assert C.interpolate_cost(costs, 3) == pytest.approx(1.35)
+    assert C.interpolate_cost(costs, 8) == pytest.approx(1.5 + 0.15 * 4)  # the last slope
+    for bad in ({"nodes": {}}, {"step_cost_by_nodes": {"1": "x"}}, {"step_cost_by_nodes": {"2": -1}}):
+        f.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="--step-costs"):
+            C.read_step_costs(f)
 
 
 def _choice(index, lo, hi, P, costs):
@@ -113,6 +166,23 @@ def _choice(index, lo, hi, P, costs):
     for c in cands:
         c.verify_cost, c.draft_cost = costs[c.num_nodes], 0.05
     return C.choose(stats, cands)
+
+
+def test_expected_overall_weighs_bins_by_positions():
+    costs = {1: 1.2, 2: 1.4, 4: 1.8}
+    hot = _choice(0, 0.0, 1.0, [[0.9, 0.05], [0.8, 0.1]], costs)
+    cold = _choice(1, 1.0, math.inf, [[0.05, 0.05], [0.05, 0.0]], costs)
+    assert hot.chosen is not None and cold.chosen is None  # the cold bin drafts nothing
+    got = C.expected_overall([hot, cold])
+    t_hot = hot.chosen.tokens_per_step
+    # 10 positions in each bin (see _choice): the schedule drafts in the hot bin only
+    assert got["schedule"] == pytest.approx(round((t_hot + 1.0) / (hot.chosen.cost + 1.0), 4))
+    every = []
+    for c in hot.candidates:
+        t = [1 + C.expected_accepted(c.key, b.stats.P) for b in (hot, cold)]
+        every.append((t[0] + t[1]) / (2 * c.cost))
+    assert got["best_static"]["speedup"] == pytest.approx(round(max(every), 4))
+    assert got["schedule"] > got["best_static"]["speedup"]  # choosing per bin pays here
 
 
 def test_tree_set_file_loads_and_schedules(tmp_path):
@@ -229,6 +299,27 @@ def test_build_trees_end_to_end(tiny_model, tmp_path, capsys):
     assert ts.metadata[ts.ids[0]]["calibration"]["num_prompts"] == 2
     TreeScheduler.from_config(EntMTPConfig(policy="entropy", tree_set=str(out)), ts)
 
+    # the confidence signal, with step costs measured in vLLM: from the cache, no new statistics
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"step_cost_by_nodes": {"1": 1.01, "2": 1.02, "3": 1.03, "24": 1.24}}))
+    rc, out = _build(tmp_path, model, tmp_path / "hydra", "--jsonl", str(jsonl), "--name", "hy", "--signal",
+                     "confidence", "--bins", "2", "--step-costs", str(costs))
+    assert rc == 0 and "2 prompt(s) done" in capsys.readouterr().err
+    ts = load_tree_set(str(out), num_heads=3)
+    cal = ts.metadata[ts.ids[0]]["calibration"]
+    assert ts.schedule.signal == "confidence" and cal["signal"] == "confidence" and cal["signal_window"] == 1
+    assert cal["confidence_heads"] == 1
+    assert all(0 <= x <= 1 for x in ts.schedule.thresholds)
+    assert list(ts.schedule.thresholds) == sorted(ts.schedule.thresholds, reverse=True)
+    assert "confidence_range" in cal["bins"][0]
+    for tid in ts.ids:  # every tree costs what the measured table says for its size
+        md = ts.metadata[tid]
+        assert md["cost"]["total"] == pytest.approx(1 + 0.01 * md["num_nodes"], abs=1e-4)
+    sched = TreeScheduler.from_config(EntMTPConfig(policy="confidence", tree_set=str(out)), ts)
+    with pytest.raises(Exception, match="signal 'confidence'"):
+        TreeScheduler.from_config(EntMTPConfig(policy="entropy", tree_set=str(out)), ts)
+    assert sched.policy == "confidence"
+
 
 def test_build_trees_bad_inputs(tiny_model, tmp_path):
     model, vocab = tiny_model
@@ -241,9 +332,15 @@ def test_build_trees_bad_inputs(tiny_model, tmp_path):
     bad.write_text('{"text": 1}\n')
     with pytest.raises(SystemExit, match="line 1"):
         _build(tmp_path, model, tmp_path / "wide", "--jsonl", str(bad))
-    for opt in (["--node-budgets", "0,2"], ["--max-tokens", "1"], ["--entropy-edges", "0.5,0.2"]):
+    for opt in (["--node-budgets", "0,2"], ["--max-tokens", "1"], ["--signal", "nope"]):
         with pytest.raises(SystemExit):
             _build(tmp_path, model, tmp_path / "wide", "--prompt-set", "humaneval", *opt)
+    make_heads(tmp_path / "ok", hidden_size=32, vocab_size=vocab, num_heads=2)
+    for opt, msg in ((["--edges", "0.5,0.2"], "strictly increasing"),
+                     (["--signal", "confidence", "--edges", "0.2,0.5"], "strictly decreasing"),
+                     (["--step-costs", str(tmp_path / "absent.json")], "--step-costs")):
+        with pytest.raises(SystemExit, match=msg):  # before any statistics are computed
+            _build(tmp_path, model, tmp_path / "ok", "--prompt-set", "humaneval", *opt)
 
 
 def test_verification_times_are_made_monotone():

@@ -47,8 +47,21 @@ def test_defaults_use_registered_heads(spec_cls, target_model_config, default_he
     from vllm_entmtp.trees import load_tree_set
 
     ts = load_tree_set("default", num_heads=read_any_heads_config(default_heads).num_heads)
-    assert sc.entmtp.policy == "entropy" and sc.entmtp.tree_set == "default"
-    assert sc.num_speculative_tokens == max(ts.get(t).num_nodes for t in ts.schedule.tree_ids if t != "none")
+    assert sc.entmtp.policy == ts.schedule.signal and sc.entmtp.tree_set == "default"
+    scheduled = max(ts.get(t).num_nodes for t in ts.schedule.tree_ids if t != "none")
+    assert sc.num_speculative_tokens == scheduled
+    # room for larger trees of the set (a request's entmtp_tree_id), but not past them or below the schedule
+    in_set = max(t.num_nodes for _, t in ts.trees)
+    roomy = _make(spec_cls, target_model_config, method="entmtp", policy=ts.schedule.signal, tree_set="default",
+                  num_speculative_tokens=in_set)
+    assert roomy.num_speculative_tokens == in_set and roomy.entmtp.policy == ts.schedule.signal
+    with pytest.raises(ValueError, match=r"confidence_heads=9, but the heads .* allowed: 1\.\."):
+        _make(spec_cls, target_model_config, method="entmtp", confidence_heads=9)
+    for bad in (in_set + 1, scheduled - 1):
+        if bad >= 1:
+            with pytest.raises(ValueError, match=f"num_speculative_tokens={bad}, but the scheduled trees"):
+                _make(spec_cls, target_model_config, method="entmtp", policy=ts.schedule.signal,
+                      tree_set="default", num_speculative_tokens=bad)
     assert sc.entmtp.draft_confidence_threshold == 0.0
     chains = _make(spec_cls, target_model_config, method="entmtp", num_speculative_tokens=2)
     assert chains.entmtp.policy == "static" and chains.num_speculative_tokens == 2  # a fixed draft: chains

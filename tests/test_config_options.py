@@ -1,4 +1,5 @@
 """EntMTPConfig's scheduler options, validated with pydantic only (no vLLM import)."""
+import json
 import re
 
 import pytest
@@ -73,12 +74,22 @@ def test_several_errors_are_reported_together():
     assert "entropy_window=0" in str(e.value) and "warmup_steps=-1" in str(e.value)
 
 
-def test_auto_policy_schedules_unless_a_fixed_draft_is_asked_for():
+def test_auto_policy_schedules_unless_a_fixed_draft_is_asked_for(tmp_path):
     from vllm_entmtp.config import resolve_policy
 
+    from vllm_entmtp.errors import TreeSetError
+    from vllm_entmtp.trees import load_tree_set
+
     auto = resolve_policy(parse(), num_speculative_tokens_given=False, num_heads=4)
-    assert (auto.policy, auto.tree_set) == ("entropy", "default")
-    assert resolve_policy(parse(tree_set="medusa63"), False, 4).policy == "entropy"
+    assert (auto.policy, auto.tree_set) == (load_tree_set("default").schedule.signal, "default")
+    assert resolve_policy(parse(tree_set="medusa63"), False, 4).policy == "entropy"  # no schedule: entropy
+    conf = tmp_path / "conf.json"  # a set calibrated on the confidence signal is scheduled on it
+    conf.write_text(json.dumps({"schema_version": 1, "name": "c", "heads": {"kind": "hydra", "num_heads": 4},
+                                "trees": [{"id": "a", "paths": [[0]], "metadata": {"num_nodes": 1, "depth": 1}}],
+                                "schedule": {"signal": "confidence", "thresholds": [0.3], "tree_ids": ["a", "none"]}}))
+    assert resolve_policy(parse(tree_set=str(conf)), False, 4).policy == "confidence"
+    with pytest.raises(TreeSetError, match="absent"):  # the user's set must load: its error, not chains
+        resolve_policy(parse(tree_set=str(tmp_path / "absent.json")), False, 4)
     for opts, n_given in ((dict(tree=[[0], [1]]), False), (dict(tree_set="default", tree_id="chain2"), False),
                           ({}, True), (dict(draft_confidence_threshold=0.2), False)):
         assert resolve_policy(parse(**opts), n_given, 4).policy == "static", opts

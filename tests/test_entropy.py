@@ -155,6 +155,8 @@ def test_from_config_and_bad_windows():
     from vllm_entmtp.config import EntMTPConfig
 
     tr = EntropyTracker.from_config(EntMTPConfig(entropy_window=4, acceptance_window=2))
-    assert (tr.entropy_window, tr.acceptance_window, tr.confidence_window) == (4, 2, 4)
+    assert (tr.entropy_window, tr.acceptance_window, tr.confidence_window) == (4, 2, 1)  # confidence: this step's
+    tr = EntropyTracker.from_config(EntMTPConfig(confidence_window=3))
+    assert (tr.entropy_window, tr.confidence_window) == (16, 3)
     with pytest.raises(ValueError, match="window"):
         EntropyTracker(entropy_window=0)

@@ -112,6 +112,10 @@ def test_hydra_confidence_state_is_reused_and_gives_the_same_drafts():
             assert abs(float(probs[b, k]) - p) < 1e-5
             path.append(toks[0])
     assert drafter.propose(x, trees, bonus, state) == drafter.propose(x, trees, bonus)
+    # the first head only (confidence_heads=1): one head evaluated, the same probabilities, a reusable state
+    first, state1 = drafter.confidence(x, bonus, num_heads=1)
+    assert first.shape == (3, 1) and torch.equal(first[:, 0], probs[:, 0])
+    assert len(state1) == 3 and drafter.propose(x, trees, bonus, state1) == drafter.propose(x, trees, bonus)
 
 
 def test_hydra_confidence_threshold_cuts_chains():

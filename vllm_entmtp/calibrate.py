@@ -38,12 +38,15 @@ import torch
 
 from vllm_entmtp.trees import NO_DRAFT_ID
 
-STATS_VERSION = 1
+STATS_VERSION = 2
 RANK_STORE_CAP = 1024
 """Ranks are stored capped at this value, so ``--max-rank`` up to it can change without recomputing."""
 NO_LABEL = -1
 """Stored rank of a head at a position whose true token lies past the end of the continuation."""
 DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24)
+SIGNALS = ("entropy", "confidence")
+"""What the bins are on: the runtime tracker's entropy EMA (nats), or its path confidence (the product of the
+heads' top-1 probabilities along their greedy chain; with window 1, this step's)."""
 
 
 def _log(msg: str) -> None:
@@ -169,9 +172,10 @@ def best_ratio(points: Sequence[tuple[float, float]]) -> int:
 
 
 # ------------------------------------------------------------------------------------------ entropy bins
-def quantile_edges(entropy: torch.Tensor, num_bins: int) -> list[float]:
-    """``num_bins - 1`` bin edges (nats) at the entropy quantiles ``i / num_bins``, rounded to 4 decimals;
-    edges <= 0 and repeated edges are dropped, so fewer bins may come back when the entropies are tied."""
+def quantile_edges(entropy: torch.Tensor, num_bins: int, lower: float = 0.0) -> list[float]:
+    """``num_bins - 1`` bin edges at the quantiles ``i / num_bins`` of the scores ``entropy`` (nats, or minus a
+    confidence), rounded to 4 decimals; edges <= ``lower`` (the scores' least possible value: 0 nats, or -1
+    for minus a confidence) and repeated edges are dropped, so fewer bins may come back when scores are tied."""
     if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
         raise ValueError(f"num_bins must be an int >= 1, got {num_bins!r}")
     if num_bins == 1 or entropy.numel() == 0:
@@ -180,20 +184,22 @@ def quantile_edges(entropy: torch.Tensor, num_bins: int) -> list[float]:
     edges: list[float] = []
     for q in qs.tolist():
         q = round(q, 4)
-        if q > 0 and (not edges or q > edges[-1]):
+        if q > lower and (not edges or q > edges[-1]):
             edges.append(q)
     return edges
 
 
 @dataclass
 class BinStats:
-    """Statistics of one entropy bin.
+    """Statistics of one signal bin.
 
     Attributes:
-        index: bin number, 0 = lowest entropy.
-        lo, hi: the bin holds entropies ``lo <= H < hi`` (nats; ``hi`` is ``inf`` for the last bin).
+        index: bin number, 0 = lowest score (lowest entropy, or highest confidence).
+        lo, hi: the bin holds scores ``lo <= s < hi`` (``hi`` is ``inf`` for the last bin). The score is the
+            signal for ``"entropy"`` (nats) and minus the signal for ``"confidence"``, so that bins always go
+            from the most aggressive to the most conservative, as the scheduler's ladder does.
         positions: generated positions in the bin.
-        mean_entropy: their mean entropy (nats).
+        mean_signal: their mean signal value (nats, or probability).
         labels_per_depth: per head, positions whose true token exists (the last ``d + 1`` positions of a
             continuation have none for head ``d``); the denominators of ``P``.
         P: ``[heads][max_rank]`` floats: ``P[d][r]`` = share of those positions where head ``d``'s rank of the
@@ -204,30 +210,42 @@ class BinStats:
     lo: float
     hi: float
     positions: int
-    mean_entropy: float
+    mean_signal: float
     labels_per_depth: list[int]
     P: list[list[float]]
+    signal: str = "entropy"
+
+    def signal_range(self) -> tuple[float | None, float | None]:
+        """The bin's range in the signal's unit, ``(low, high)``; None: unbounded. Entropy: ``low <= H < high``;
+        confidence: ``low < c <= high``."""
+        if self.signal == "confidence":
+            return (None if math.isinf(self.hi) else -self.hi, -self.lo)
+        return (self.lo, None if math.isinf(self.hi) else self.hi)
 
     def range_str(self) -> str:
-        return f"[{self.lo:.3f}, {'inf' if math.isinf(self.hi) else f'{self.hi:.3f}'})"
+        lo, hi = self.signal_range()
+        if self.signal == "confidence":
+            return f"({'-inf' if lo is None else f'{lo:.3f}'}, {hi:.3f}]"
+        return f"[{lo:.3f}, {'inf' if hi is None else f'{hi:.3f}'})"
 
     def to_json(self) -> dict:
-        return {"bin": self.index, "entropy_range": [self.lo, None if math.isinf(self.hi) else self.hi],
-                "positions": self.positions, "mean_entropy": round(self.mean_entropy, 6),
+        return {"bin": self.index, "signal": self.signal, f"{self.signal}_range": list(self.signal_range()),
+                "positions": self.positions, "mean_signal": round(self.mean_signal, 6),
                 "labels_per_depth": self.labels_per_depth,
                 "P": [[round(x, 6) for x in row] for row in self.P]}
 
 
-def bin_statistics(entropy: torch.Tensor, ranks: torch.Tensor, edges: Sequence[float], max_rank: int
-                   ) -> list[BinStats]:
+def bin_statistics(entropy: torch.Tensor, ranks: torch.Tensor, edges: Sequence[float], max_rank: int,
+                   signal: str = "entropy") -> list[BinStats]:
     """Per-bin rank tables.
 
     Args:
-        entropy: ``float32 [N]`` nats, one per generated position.
+        entropy: ``float32 [N]`` scores, one per generated position: the entropy signal (nats), or minus the
+            confidence signal (``signal``).
         ranks: ``int [N, heads]``: the true token's rank per head (0 = top-1), ``NO_LABEL`` (-1) where there is
             no true token; ranks >= ``max_rank`` count as misses.
-        edges: strictly increasing bin edges (nats); a position goes to the bin of the number of edges <= its
-            entropy (as the scheduler maps a value on a threshold to the more conservative bin).
+        edges: strictly increasing bin edges on the scores; a position goes to the bin of the number of edges <=
+            its score (as the scheduler maps a value on a threshold to the more conservative bin).
         max_rank: ranks kept per head (the table width), >= 1.
 
     Returns:
@@ -238,7 +256,7 @@ def bin_statistics(entropy: torch.Tensor, ranks: torch.Tensor, edges: Sequence[f
                          f"{tuple(ranks.shape)}")
     bounds = torch.tensor(list(edges), dtype=torch.float64)
     which = torch.bucketize(entropy.double(), bounds, right=True)
-    lows, highs = [0.0, *edges], [*edges, math.inf]
+    lows, highs = [0.0 if signal == "entropy" else -1.0, *edges], [*edges, math.inf]
     out = []
     for b in range(len(edges) + 1):
         sel = which == b
@@ -250,8 +268,9 @@ def bin_statistics(entropy: torch.Tensor, ranks: torch.Tensor, edges: Sequence[f
             counts = torch.bincount(rk[labelled[:, d], d].clamp(max=max_rank), minlength=max_rank + 1)
             table.append([c / n_lab[d] if n_lab[d] else 0.0 for c in counts[:max_rank].tolist()])
         n = int(sel.sum())
+        sign = -1.0 if signal == "confidence" else 1.0
         out.append(BinStats(b, float(lows[b]), float(highs[b]), n,
-                            float(entropy[sel].double().mean()) if n else math.nan, n_lab, table))
+                            sign * float(entropy[sel].double().mean()) if n else math.nan, n_lab, table, signal))
     return out
 
 
@@ -475,10 +494,12 @@ def collect_statistics(view: TargetView, heads, tokenizer, prompts: list[dict], 
 
     Returns:
         One record per prompt: ``id``, ``prompt_tokens`` (int), ``tokens`` (generated ids), ``entropy``
-        (``float32 [T]`` nats) and ``ranks`` (``int16 [T, heads]``, see :func:`head_ranks`).
+        (``float32 [T]`` nats), ``ranks`` (``int16 [T, heads]``, see :func:`head_ranks`) and ``head_top1``
+        (``float32 [T, heads]``, see :func:`greedy_chain_top1`).
     """
     from tqdm import tqdm
 
+    drafter = make_drafter(heads, view)
     records = _load_cache(cache_path, key)
     if records:
         _log(f"statistics cache {cache_path}: {len(records)} prompt(s) done")
@@ -488,9 +509,60 @@ def collect_statistics(view: TargetView, heads, tokenizer, prompts: list[dict], 
         tokens, hidden, ent = greedy_continuation(view, ids, max_tokens)
         ranks = head_ranks(heads, view, tokens, hidden)
         records.append({"id": p["id"], "prompt_tokens": len(ids), "tokens": tokens, "entropy": ent,
-                        "ranks": ranks})
+                        "ranks": ranks, "head_top1": greedy_chain_top1(drafter, tokens, hidden)})
         _save_cache(cache_path, key, records)
     return records[:len(prompts)]
+
+
+@torch.inference_mode()
+def greedy_chain_top1(drafter, tokens: Sequence[int], hidden: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """The heads' top-1 probabilities along their own greedy chain at every position, as the runtime sees them.
+
+    Args:
+        drafter: the runtime drafter (:func:`make_drafter`); its ``confidence`` is what the engine feeds the
+            tracker each step.
+        tokens: the ``T`` generated tokens; ``tokens[t]`` is the bonus token at position ``t``.
+        hidden: ``float32 [T, hidden]``, ``h_t``.
+
+    Returns:
+        ``float32 [T, heads]``.
+    """
+    y = torch.tensor(list(tokens), dtype=torch.long)
+    parts = [drafter.confidence(hidden[s:s + chunk], y[s:s + chunk])[0].float()
+             for s in range(0, len(tokens), chunk)]
+    return torch.cat(parts) if parts else torch.zeros(0, drafter.num_heads)
+
+
+def signal_series(records: Sequence[dict], signal: str, window: int, confidence_heads: int | None = None
+                  ) -> torch.Tensor:
+    """Per generated position, the scheduler's score as the runtime :class:`~vllm_entmtp.entropy.EntropyTracker`
+    would hold it there, updated once per token (the engine updates once per step; with accepted draft tokens a
+    step covers several tokens): ``"entropy"``: the bias-corrected EMA (window ``window``) of the entropy
+    (nats); ``"confidence"``: minus the path confidence (product of the per-head EMAs of the top-1
+    probabilities of the first ``confidence_heads`` heads (None: all), window ``window``). One tracker per record
+    (a request).
+
+    Returns:
+        ``float32 [N]``, ``N`` = all records' positions, in order.
+
+    Raises:
+        ValueError: unknown ``signal``.
+    """
+    from vllm_entmtp.entropy import EntropyTracker
+
+    if signal not in SIGNALS:
+        raise ValueError(f"unknown signal {signal!r}; allowed: {', '.join(SIGNALS)}")
+    out: list[float] = []
+    for i, r in enumerate(records):
+        tr = EntropyTracker(entropy_window=window, confidence_window=window)
+        rid = str(i)
+        ent = r["entropy"].tolist()
+        top1 = r["head_top1"][:, :confidence_heads].tolist() if signal == "confidence" else [None] * len(ent)
+        for e, c in zip(ent, top1):
+            tr.update(rid, e, c)
+            sg = tr.signals(rid)
+            out.append(sg.entropy_ema if signal == "entropy" else -sg.confidence)
+    return torch.tensor(out, dtype=torch.float32)
 
 
 # ------------------------------------------------------------------------------------------ cost
@@ -660,6 +732,34 @@ def choose(stats: BinStats, cands: list[Candidate]) -> BinChoice:
     return BinChoice(stats, cands, front, cands[best - 1] if best > 0 else None)
 
 
+def expected_overall(choices: list[BinChoice]) -> dict:
+    """Expected speed-up over plain decoding, over all positions (bins weighted by their positions, one step per
+    position as an approximation): of the schedule (each bin drafting its chosen tree, or nothing) and of
+    every candidate tree drafted in every bin; ``sum_b w_b T_b / sum_b w_b C_b`` with ``T`` the expected
+    tokens per step (bonus included) and ``C`` the cost.
+
+    Returns:
+        ``{"schedule": x, "best_static": {"key": paths, "num_nodes": n, "speedup": x}}``.
+    """
+    w = [b.stats.positions for b in choices]
+
+    def overall(per_bin: list[tuple[float, float]]) -> float:
+        return sum(wi * t for wi, (t, _) in zip(w, per_bin)) / sum(wi * c for wi, (_, c) in zip(w, per_bin))
+
+    sched = overall([(b.chosen.tokens_per_step, b.chosen.cost) if b.chosen is not None else (1.0, 1.0)
+                     for b in choices])
+    best = None
+    for c in {c.key: c for b in choices for c in b.candidates}.values():
+        x = overall([(1.0 + expected_accepted(c.key, b.stats.P), c.cost) for b in choices])
+        if best is None or x > best[1]:
+            best = (c, x)
+    out = {"schedule": round(sched, 4)}
+    if best is not None:
+        out["best_static"] = {"paths": [list(p) for p in best[0].key], "num_nodes": best[0].num_nodes,
+                              "speedup": round(best[1], 4)}
+    return out
+
+
 def _tree_metadata(c: Candidate, key: tuple[Path_, ...], choices: list[BinChoice], verify_ms: float,
                    draft_ms: float) -> dict:
     from vllm_entmtp.trees import Tree
@@ -677,8 +777,8 @@ def _tree_metadata(c: Candidate, key: tuple[Path_, ...], choices: list[BinChoice
         "expected_speedup_per_bin": [round((1 + a) / c.cost, 4) for a in acc],
         "frontier_in_bins": [b.stats.index for b in choices if any(f.key == key for f in b.frontier)],
         "chosen_in_bins": [b.stats.index for b in choices if b.chosen is not None and b.chosen.key == key],
-        "source": f"vllm-entmtp build-trees: greedy tree of entropy bin {c.bin} at a budget of {c.num_nodes} "
-                  f"nodes",
+        "source": f"vllm-entmtp build-trees: greedy tree of {choices[0].stats.signal} bin {c.bin} at a budget of "
+                  f"{c.num_nodes} nodes",
     }
 
 
@@ -687,6 +787,8 @@ def build_tree_set(choices: list[BinChoice], *, name: str, heads_kind: str, num_
                    ) -> tuple[dict, list[str]]:
     """The tree-set JSON object (``docs/trees.md``, schema version 1) with a ``schedule``.
 
+    Bins (``choices``, all of one signal, most aggressive first) become the schedule's ladder, with thresholds
+    in the signal's unit (strictly increasing nats for entropy, strictly decreasing probabilities for confidence).
     Trees: every bin's frontier trees and the scheduled ones, identical trees once (id ``b{bin}n{nodes}`` of
     the first bin that produced it), smallest first. Schedule: bin ``i``'s scheduled tree, thresholds = the
     edges between bins; neighbouring bins with the same tree are merged (their edge dropped), and a tree
@@ -704,18 +806,20 @@ def build_tree_set(choices: list[BinChoice], *, name: str, heads_kind: str, num_
         for c in [*b.frontier, b.scheduled]:
             entries.setdefault(c.key, (f"b{c.bin}n{c.num_nodes}", c))
     ladder: list[tuple[str, tuple[Path_, ...]]] = []
-    thresholds: list[float] = []
+    thresholds: list[float] = []  # in the signal's unit (bin edges are on scores: minus the confidence)
+    signal = choices[0].stats.signal if choices else "entropy"
+    sign = -1.0 if signal == "confidence" else 1.0
     extra: dict[str, tuple[tuple[Path_, ...], Candidate]] = {}
     bin_ids: list[str] = []
     no_draft = False
     for b in choices:
-        # a bin where drafting nothing is best, and every bin of higher entropy, draft nothing (the reserved
-        # last entry "none" of a schedule)
+        # a bin where drafting nothing is best, and every more conservative bin (higher entropy, lower
+        # confidence), draft nothing (the reserved last entry "none" of a schedule)
         no_draft = no_draft or b.chosen is None
         if no_draft:
             if not ladder or ladder[-1][0] != NO_DRAFT_ID:
                 if ladder:
-                    thresholds.append(float(b.stats.lo))
+                    thresholds.append(sign * float(b.stats.lo))
                 ladder.append((NO_DRAFT_ID, ()))
             bin_ids.append(NO_DRAFT_ID)
             continue
@@ -728,7 +832,7 @@ def build_tree_set(choices: list[BinChoice], *, name: str, heads_kind: str, num_
             tid = f"b{b.stats.index}n{b.scheduled.num_nodes}"
             extra[tid] = (key, b.scheduled)
         if ladder:
-            thresholds.append(float(b.stats.lo))
+            thresholds.append(sign * float(b.stats.lo))
         ladder.append((tid, key))
         bin_ids.append(tid)
     trees = [(tid, key, c) for key, (tid, c) in entries.items()] + [(t, k, c) for t, (k, c) in extra.items()]
@@ -738,20 +842,24 @@ def build_tree_set(choices: list[BinChoice], *, name: str, heads_kind: str, num_
         md = _tree_metadata(c, key, choices, times_ms["verify"][len(key)], times_ms["draft"][key])
         out_trees.append({"id": tid, "paths": [list(p) for p in key], "metadata": md})
     out_trees[0]["metadata"]["calibration"] = calibration
-    sched: dict[str, Any] = {"signal": "entropy", "thresholds": thresholds, "tree_ids": [t for t, _ in ladder]}
+    sched: dict[str, Any] = {"signal": signal, "thresholds": thresholds, "tree_ids": [t for t, _ in ladder]}
     if hysteresis is not None:
         sched["hysteresis"] = float(hysteresis)
     summary = "; ".join(
-        f"bin {b.stats.index} H in {b.stats.range_str()}: "
+        f"bin {b.stats.index} {_SIGNAL_LABEL[signal]} in {b.stats.range_str()}: "
         + ("none (no tree is expected to beat plain decoding)" if tid == NO_DRAFT_ID else tid)
         for b, tid in zip(choices, bin_ids))
     desc = (f"Built by vllm-entmtp build-trees from {calibration['prompts']} ({calibration['positions']} "
-            f"positions) for {heads_kind} heads: per entropy bin, greedy trees at each node budget, their Pareto "
+            f"positions) for {heads_kind} heads: per {signal} bin, greedy trees at each node budget, their Pareto "
             f"frontier of measured cost vs expected tokens per step, and the tree with the best expected "
             f"speed-up scheduled. {summary}. Statistics and cost table: metadata.calibration of tree "
             f"{out_trees[0]['id']!r}.")
     return {"schema_version": 1, "name": name, "heads": {"kind": heads_kind, "num_heads": num_heads},
             "description": desc, "trees": out_trees, "schedule": sched}, bin_ids
+
+
+_SIGNAL_LABEL = {"entropy": "H", "confidence": "c"}
+_SIGNAL_UNIT = {"entropy": "nats", "confidence": "path confidence"}
 
 
 # ------------------------------------------------------------------------------------------ plot and table
@@ -787,7 +895,8 @@ def plot_frontiers(choices: list[BinChoice], path: Path, title: str = "") -> Non
         ax.set_ylim(0.9, max([1.0, *ys]) * 1.05 + 0.05)
         ax.set_xlabel("cost per step (plain decode step = 1)")
         ax.set_ylabel("expected tokens per step (incl. bonus)")
-        ax.set_title(f"bin {b.stats.index}: H in {b.stats.range_str()} nats, {b.stats.positions} pos.", fontsize=9)
+        ax.set_title(f"bin {b.stats.index}: {_SIGNAL_LABEL[b.stats.signal]} in {b.stats.range_str()} "
+                     f"({_SIGNAL_UNIT[b.stats.signal]}), {b.stats.positions} pos.", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
     if title:
@@ -800,7 +909,9 @@ def plot_frontiers(choices: list[BinChoice], path: Path, title: str = "") -> Non
 
 def summary_table(choices: list[BinChoice], bin_ids: Sequence[str]) -> str:
     """The printed summary: one row per bin (``bin_ids``: the tree id each bin is scheduled to)."""
-    head = (f"{'bin':>3}  {'entropy (nats)':<17} {'positions':>9} {'mean H':>7}  {'tree':<8} {'nodes':>5} "
+    signal = choices[0].stats.signal if choices else "entropy"
+    label = "entropy (nats)" if signal == "entropy" else "path confidence"
+    head = (f"{'bin':>3}  {label:<17} {'positions':>9} {'mean ' + _SIGNAL_LABEL[signal]:>7}  {'tree':<8} {'nodes':>5} "
             f"{'depth':>5} {'tok/step':>8} {'cost':>6} {'(verify+draft)':<15} {'speed-up':>8}")
     rows = [head, "-" * len(head)]
     notes = []
@@ -808,14 +919,14 @@ def summary_table(choices: list[BinChoice], bin_ids: Sequence[str]) -> str:
         c = b.scheduled
         if tid == NO_DRAFT_ID:
             rows.append(f"{b.stats.index:>3}  {b.stats.range_str():<17} {b.stats.positions:>9} "
-                        f"{b.stats.mean_entropy:>7.3f}  {'none':<8} {0:>5} {0:>5} {1.0:>8.3f} {1.0:>6.3f} "
+                        f"{b.stats.mean_signal:>7.3f}  {'none':<8} {0:>5} {0:>5} {1.0:>8.3f} {1.0:>6.3f} "
                         f"{'':<15} {1.0:>8.3f}")
             notes.append(f"* bin {b.stats.index}: no tree beats plain decoding (best: {c.num_nodes} nodes, "
                          f"{c.tokens_per_step:.3f} tokens/step at cost {c.cost:.3f}, x{c.speedup:.3f}); it drafts "
                          "nothing")
             continue
         rows.append(f"{b.stats.index:>3}  {b.stats.range_str():<17} {b.stats.positions:>9} "
-                    f"{b.stats.mean_entropy:>7.3f}  {tid:<8} {c.num_nodes:>5} {max(map(len, c.paths)):>5} "
+                    f"{b.stats.mean_signal:>7.3f}  {tid:<8} {c.num_nodes:>5} {max(map(len, c.paths)):>5} "
                     f"{c.tokens_per_step:>8.3f} {c.cost:>6.3f} ({c.verify_cost:.3f}+{c.draft_cost:.3f}){'':<2} "
                     f"{c.speedup:>8.3f}")
     rows.append("tok/step: expected tokens per step incl. the bonus token; cost: step time relative to a plain "
@@ -838,11 +949,63 @@ def _edge_list(text: str) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers (nats), got {text!r}") from None
-    if not vals or any(not math.isfinite(v) or v <= 0 for v in vals) or any(
-            b <= a for a, b in zip(vals, vals[1:])):
-        raise argparse.ArgumentTypeError(f"entropy edges must be finite, > 0 and strictly increasing, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not vals or any(not math.isfinite(v) or v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"bin edges must be finite and > 0, got {text!r}")
     return vals
+
+
+def edge_scores(edges: Sequence[float], signal: str) -> list[float]:
+    """``--edges`` (in the signal's unit) as increasing score edges. Entropy: nats, strictly increasing;
+    confidence: probabilities in (0, 1), strictly decreasing (most aggressive bin first), negated.
+
+    Raises:
+        ValueError: edges out of order or out of range for the signal.
+    """
+    if signal == "confidence":
+        if any(v >= 1 for v in edges) or any(b >= a for a, b in zip(edges, edges[1:])):
+            raise ValueError(f"--edges {','.join(map(str, edges))}: confidence edges must be in (0, 1) and strictly "
+                             "decreasing (the most aggressive bin first)")
+        return [-v for v in edges]
+    if any(b <= a for a, b in zip(edges, edges[1:])):
+        raise ValueError(f"--edges {','.join(map(str, edges))}: entropy edges (nats) must be strictly increasing")
+    return list(edges)
+
+
+def read_step_costs(path: str | Path) -> dict[int, float]:
+    """``{draft nodes: step cost relative to a step without drafting}`` from a JSON file with a
+    ``step_cost_by_nodes`` object (``benchmarks/ablation.py`` writes one: costs measured inside the engine).
+
+    Raises:
+        ValueError: unreadable file, no such object, or a cost that is not a finite number >= 1 per
+            node count >= 1.
+    """
+    try:
+        raw = json.loads(Path(path).read_text())["step_cost_by_nodes"]
+        costs = {int(n): float(c) for n, c in raw.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"--step-costs {path}: expected JSON with \"step_cost_by_nodes\": {{nodes: cost}} "
+                         f"({type(e).__name__}: {e})") from None
+    costs.pop(0, None)
+    if not costs or any(n < 1 or not math.isfinite(c) or c <= 0 for n, c in costs.items()):
+        raise ValueError(f"--step-costs {path}: costs must be finite numbers > 0 for node counts >= 1, got {raw}")
+    return dict(sorted(costs.items()))
+
+
+def interpolate_cost(costs: dict[int, float], n: int) -> float:
+    """Step cost of ``n`` draft nodes from measured ``costs`` (sorted by nodes): linear between the measured
+    sizes around ``n``, from (0, 1.0) below the smallest, and along the last two points' slope past the
+    largest; made non-decreasing (a running maximum)."""
+    pts = [(0, 1.0), *costs.items()]
+    mono, hi = [], 0.0
+    for k, c in pts:
+        hi = max(hi, c)
+        mono.append((k, hi))
+    for (a, ca), (b, cb) in zip(mono, mono[1:]):
+        if a <= n <= b:
+            return ca + (cb - ca) * (n - a) / (b - a)
+    (a, ca), (b, cb) = mono[-2], mono[-1]
+    return cb + (cb - ca) / (b - a) * (n - b)
 
 
 def _positive(kind: type, minimum: float = 1):
@@ -873,17 +1036,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="tree-set JSON to write (default: runs/calib/<prompt set or jsonl stem>.json)")
     p.add_argument("--plot", help="PNG of the frontiers (default: next to --out, same stem)")
     p.add_argument("--name", help="the tree set's name (default: <prompts>-<heads kind>)")
-    p.add_argument("--entropy-bins", type=_positive(int), default=3,
-                   help="entropy bins, edges at the entropy quantiles of the data (default: %(default)s)")
-    p.add_argument("--entropy-edges", type=_edge_list, default=None,
-                   help="explicit bin edges in nats, comma-separated (overrides --entropy-bins)")
+    p.add_argument("--signal", choices=SIGNALS, default="entropy",
+                   help="what the bins (and the schedule's thresholds) are on: the tracker's entropy EMA, or its "
+                        "path confidence; the policy that reads the set must be the same (default: %(default)s)")
+    p.add_argument("--signal-window", type=_positive(int), default=None,
+                   help="EMA window of the signal, as the runtime tracker keeps it: the entropy_window option "
+                        "for entropy, confidence_window for confidence (default: those options' defaults, 16 and 1)")
+    p.add_argument("--confidence-heads", type=_positive(int), default=None,
+                   help="leading heads whose top-1 probabilities make the path confidence (the confidence_heads "
+                        "option; default: its default, 1)")
+    p.add_argument("--bins", "--entropy-bins", dest="bins", type=_positive(int), default=3,
+                   help="signal bins, edges at the quantiles of the data (default: %(default)s)")
+    p.add_argument("--edges", "--entropy-edges", dest="edges", type=_edge_list, default=None,
+                   help="explicit bin edges in the signal's unit, comma-separated, most aggressive bin first: "
+                        "increasing nats for entropy, decreasing probabilities for confidence (overrides --bins)")
     p.add_argument("--node-budgets", type=_int_list, default=list(DEFAULT_BUDGETS),
                    help="tree sizes tried per bin (default: %s)" % ",".join(map(str, DEFAULT_BUDGETS)))
     p.add_argument("--max-rank", type=_positive(int), default=8,
                    help="top-k ranks per head considered; rank >= this is a miss (default: %(default)s, at most "
                         f"{RANK_STORE_CAP})")
     p.add_argument("--hysteresis", type=_positive(float, 0.0), default=None,
-                   help="hysteresis (nats) written into the schedule (default: none, the scheduler's own)")
+                   help="hysteresis (the signal's unit) written into the schedule (default: none, the scheduler's "
+                        "own)")
+    p.add_argument("--step-costs", default=None, metavar="JSON",
+                   help="step costs measured inside vLLM (\"step_cost_by_nodes\" of a benchmarks/ablation.py "
+                        "result), used instead of timing a transformers forward and the drafter here")
     p.add_argument("--cost-context", type=_positive(int), default=256,
                    help="KV-cache tokens before the timed verification forwards (default: %(default)s)")
     p.add_argument("--cost-repeats", type=_positive(int), default=7,
@@ -926,6 +1103,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.max_rank > RANK_STORE_CAP:
         raise ValueError(f"--max-rank {args.max_rank} exceeds {RANK_STORE_CAP}")
+    given_edges = edge_scores(args.edges, args.signal) if args.edges else None  # bad edges fail before any work
+    step_costs = read_step_costs(args.step_costs) if args.step_costs else None
     if args.threads:
         torch.set_num_threads(args.threads)
     label = args.prompt_set or Path(args.jsonl).stem
@@ -959,24 +1138,32 @@ def _run(args: argparse.Namespace) -> int:
     cache_path = stats_cache_path(out, key)
     records = collect_statistics(view, heads, tokenizer, prompts, args.max_tokens, args.max_prompt_tokens,
                                  cache_path, key)
-    entropy = torch.cat([r["entropy"] for r in records]).float()
     ranks = torch.cat([r["ranks"] for r in records])
-    if entropy.numel() == 0:
+    if ranks.numel() == 0:
         raise ValueError("no generated positions (every continuation was empty)")
+    signal = args.signal
+    defaults = EntMTPConfig()
+    window = args.signal_window or (defaults.entropy_window if signal == "entropy" else defaults.confidence_window)
+    conf_heads = min(args.confidence_heads or defaults.confidence_heads, num_heads)
+    score = signal_series(records, signal, window, conf_heads)
+    lower = 0.0 if signal == "entropy" else -1.0
 
     # 2. bins and greedy trees
-    edges = args.entropy_edges if args.entropy_edges else quantile_edges(entropy, args.entropy_bins)
-    bins = [b for b in bin_statistics(entropy, ranks, edges, args.max_rank) if b.positions > 0]
+    edges = given_edges if given_edges is not None else quantile_edges(score, args.bins, lower)
+    bins = [b for b in bin_statistics(score, ranks, edges, args.max_rank, signal) if b.positions > 0]
     for i, b in enumerate(bins):  # empty bins dropped: renumber, ranges follow the kept bins
         b.index = i
         b.hi = bins[i + 1].lo if i + 1 < len(bins) else math.inf
     if bins:
-        bins[0].lo = 0.0
+        bins[0].lo = lower
     budgets = list(args.node_budgets)
     cands = {b.index: candidates_for_bin(b, budgets, num_heads) for b in bins}
 
-    # 3. cost: verification by node count, drafting by tree
+    # 3. cost: verification by node count, drafting by tree (or both, measured in vLLM, by node count)
     sizes = sorted({0} | {c.num_nodes for cs in cands.values() for c in cs})
+    if step_costs:
+        _log(f"step costs measured in vLLM ({args.step_costs}): "
+             + ", ".join(f"{n}: {c:.3f}" for n, c in step_costs.items()))
     _log(f"timing verification of {', '.join(map(str, sizes))} draft nodes over a {args.cost_context}-token "
          f"context ({args.cost_repeats} runs each, {torch.get_num_threads()} thread(s))")
     gemm = "vllm" if args.gemm == "vllm" and use_vllm_cpu_gemm(model) else "torch"
@@ -993,8 +1180,11 @@ def _run(args: argparse.Namespace) -> int:
     draft_of = {k: s for (k, _), s in zip(distinct, draft_s)}
     for cs in cands.values():
         for c in cs:
-            c.verify_cost = verify_s[c.num_nodes] / base
-            c.draft_cost = draft_of[c.key] / base
+            if args.step_costs:  # drafting is inside the engine's step time
+                c.verify_cost, c.draft_cost = interpolate_cost(step_costs, c.num_nodes), 0.0
+            else:
+                c.verify_cost = verify_s[c.num_nodes] / base
+                c.draft_cost = draft_of[c.key] / base
     choices = [choose(b, cands[b.index]) for b in bins]
 
     # 4. the tree set
@@ -1003,17 +1193,24 @@ def _run(args: argparse.Namespace) -> int:
         else "vllm-entmtp build-trees",
         "model": str(model_dir), "heads": str(heads_dir), "heads_kind": kind,
         "prompts": args.prompt_set or str(args.jsonl), "num_prompts": len(records),
-        "max_tokens": args.max_tokens, "positions": int(entropy.numel()), "max_rank": args.max_rank,
-        "entropy_edges": list(edges), "node_budgets": budgets,
+        "max_tokens": args.max_tokens, "positions": int(score.numel()), "max_rank": args.max_rank,
+        "signal": signal, "signal_window": window,
+        **({"confidence_heads": conf_heads} if signal == "confidence" else {}),
+        "edges": [-e for e in edges] if signal == "confidence" else list(edges), "node_budgets": budgets,
         "bins": [b.to_json() for b in bins],
         "cost": {"threads": torch.get_num_threads(), "context_tokens": args.cost_context,
                  "repeats": args.cost_repeats, "gemm": gemm, "plain_decode_ms": round(base * 1e3, 3),
                  "verify_ms": {str(n): round(s * 1e3, 3) for n, s in verify_s.items()},
                  "measured_with": "transformers float32 forward with KV cache (causal mask over the N+1 new "
                                   "tokens, logits for each) and the runtime drafter; not vLLM"},
-        "assumptions": "heads independent across depths (P(node) = prod_i P[i][r_i]); entropy bins on the "
-                       "per-position entropy, while the runtime scheduler uses its EMA",
+        "assumptions": "heads independent across depths (P(node) = prod_i P[i][r_i]); the signal is the "
+                       "tracker's EMA updated once per generated token (the engine updates once per step)",
     }
+    if args.step_costs:
+        calibration["cost"]["step_costs"] = {"file": str(args.step_costs),
+                                             "step_cost_by_nodes": {str(n): c for n, c in step_costs.items()},
+                                             "used": "instead of verify + draft above"}
+    calibration["expected_overall"] = overall = expected_overall(choices)
     name = args.name or f"{label}-{kind}"
     times_ms = {"verify": {n: s * 1e3 for n, s in verify_s.items()},
                 "draft": {k: s * 1e3 for k, s in draft_of.items()}}
@@ -1025,15 +1222,19 @@ def _run(args: argparse.Namespace) -> int:
 
     # 5. check that the runtime accepts it
     ts = load_tree_set(str(out.resolve()), num_heads=num_heads)
-    sched = TreeScheduler.from_config(EntMTPConfig(policy="entropy", tree_set=str(out.resolve())), ts)
+    sched = TreeScheduler.from_config(EntMTPConfig(policy=signal, tree_set=str(out.resolve())), ts)
 
-    plot_frontiers(choices, plot_path, f"{name}: {len(records)} prompts, {int(entropy.numel())} positions, "
-                                       f"{kind} heads")
+    plot_frontiers(choices, plot_path, f"{name}: {len(records)} prompts, {int(score.numel())} positions, "
+                                       f"{kind} heads, {signal} (window {window})")
     print(f"tree set {out} ({len(ts)} trees; schedule {sched.ladder_ids}, thresholds "
-          f"{[round(x, 4) for x in sched.thresholds]} nats)")
+          f"{[round(x, 4) for x in sched.thresholds]} ({_SIGNAL_UNIT[signal]}); policy {signal!r} reads it)")
     print(f"plot {plot_path}; statistics cache {cache_path}")
     print(f"cost: plain decode step {base * 1e3:.1f} ms ({torch.get_num_threads()} thread(s), transformers "
           f"float32, {args.cost_context}-token context); verifying N nodes: "
           + ", ".join(f"{n}: {verify_s[n] / base:.2f}" for n in sizes if n))
     print(summary_table(choices, bin_ids))
+    if "best_static" in overall:
+        bs = overall["best_static"]
+        print(f"expected over all positions: schedule x{overall['schedule']:.3f}; best single tree "
+              f"({bs['num_nodes']} nodes {bs['paths']}) x{bs['speedup']:.3f}")
     return 0

@@ -54,12 +54,23 @@ class EntMTPConfig(BaseModel):
                     "the heads' path confidence (product of their top-1 probabilities) do. The thresholds come "
                     "from the tree set's 'schedule' (docs/trees.md) or, without one, a ladder of its trees by "
                     "size. 'auto': 'static' when a fixed draft is asked for (tree, tree_id, "
-                    "num_speculative_tokens or draft_confidence_threshold given), else 'entropy' over tree_set "
-                    "(default: the 'default' set). Needs tree_set if 'entropy' or 'confidence'.")
+                    "num_speculative_tokens or draft_confidence_threshold given), else the signal of tree_set's "
+                    "schedule ('entropy' or 'confidence'; default set: 'default'). Needs tree_set if 'entropy' or 'confidence'.")
     entropy_window: StrictInt = Field(
         default=16, ge=1,
-        description="Window W of the per-request bias-corrected EMA of the entropy (beta = 1 - 1/W); also of "
-                    "each head's top-1 probability for the confidence signal. 1 = the last step only.")
+        description="Window W of the per-request bias-corrected EMA of the entropy (beta = 1 - 1/W), the "
+                    "'entropy' policy's signal. 1 = the last step only.")
+    confidence_heads: StrictInt = Field(
+        default=1, ge=1,
+        description="How many leading heads' top-1 probabilities (along the heads' greedy chain) multiply into "
+                    "the 'confidence' policy's path confidence; at most the number of heads. 1 (default): the "
+                    "first head's, the best predictor of acceptance for the shipped heads (docs/trees.md) and "
+                    "the cheapest (Hydra heads evaluate one head per factor).")
+    confidence_window: StrictInt = Field(
+        default=1, ge=1,
+        description="Window of the per-request EMA of each head's top-1 probability along the heads' greedy "
+                    "chain; their product is the 'confidence' policy's signal. 1 (default): this step's "
+                    "probabilities, known before the step drafts (EAGLE-2's dynamic-tree signal).")
     acceptance_window: StrictInt = Field(
         default=8, ge=1,
         description="Window of the per-request EMA of accepted draft tokens per step (bonus excluded).")
@@ -94,25 +105,33 @@ def resolve_policy(options: EntMTPConfig, num_speculative_tokens_given: bool, nu
     """``policy: "auto"`` made concrete (other policies are returned as they are).
 
     ``"static"`` when the user asked for a fixed draft: ``tree``, ``tree_id``, vLLM's ``num_speculative_tokens``
-    (chains of that length) or ``draft_confidence_threshold`` (a chain option); otherwise ``"entropy"``, EntMTP's
-    scheduling, over ``tree_set`` or, when none is given, :data:`DEFAULT_TREE_SET` if its trees fit heads of
+    (chains of that length) or ``draft_confidence_threshold`` (a chain option); otherwise EntMTP's scheduling
+    on the signal of the set's ``schedule`` (``"entropy"`` or ``"confidence"``; ``"entropy"`` for a set without
+    one), over ``tree_set`` or, when none is given, :data:`DEFAULT_TREE_SET` if its trees fit heads of
     ``num_heads`` (else ``"static"`` chains: the default set is deeper than the heads).
+
+    Raises:
+        TreeSetError: the user's ``tree_set`` does not load (missing, malformed, deeper than the heads).
     """
     if options.policy != "auto":
         return options
     fixed = (options.tree is not None or options.tree_id is not None or num_speculative_tokens_given
              or options.draft_confidence_threshold > 0.0)
-    if not fixed and options.tree_set is None:
+    signal = "entropy"
+    if not fixed:
         from vllm_entmtp.errors import TreeSetError
         from vllm_entmtp.trees import load_tree_set
 
         try:
-            load_tree_set(DEFAULT_TREE_SET, num_heads=num_heads)
+            ts = load_tree_set(options.tree_set or DEFAULT_TREE_SET, num_heads=num_heads)
+            signal = ts.schedule.signal if ts.schedule is not None else "entropy"
         except TreeSetError:
+            if options.tree_set is not None:
+                raise  # the user's set: its error, at start-up
             fixed = True
     if fixed:
         return options.model_copy(update={"policy": "static"})
-    return options.model_copy(update={"policy": "entropy", "tree_set": options.tree_set or DEFAULT_TREE_SET})
+    return options.model_copy(update={"policy": signal, "tree_set": options.tree_set or DEFAULT_TREE_SET})
 
 
 def entmtp_keys() -> list[str]:

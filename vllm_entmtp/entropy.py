@@ -8,8 +8,10 @@ Engine-independent (torch and plain Python; no vLLM import). The signals follow 
   ``log_softmax``. It is free: verification already computed those logits.
 - its running estimate: an Adam-style bias-corrected EMA with window ``W`` (``beta = 1 - 1/W``,
   ``m_t = beta * m_{t-1} + (1 - beta) * x_t``, ``m_hat = m_t / (1 - beta^t)``), state per request.
-- the heads' path confidence: product over the heads of their top-1 probability along the greedy path (the
-  EAGLE-2 style "path value" of the EntMTP runtime scheduler, without the target's own top-1 factor).
+- the heads' path confidence: product over the heads it is given (the runtime gives the first
+  ``confidence_heads``, default 1) of their top-1 probability along the greedy path (the EAGLE-2 style "path
+  value" of the EntMTP runtime scheduler, without the target's own top-1 factor), each an EMA over
+  ``confidence_window`` steps (default 1: this step's).
 - the acceptance EMA: accepted draft tokens per step (bonus excluded); in EntMTP's logs the previous-acceptance
   EMA is the strongest single predictor of the next step's acceptance (Pearson r 0.19..0.49 against
   -0.13..-0.20 for the entropy).
@@ -154,8 +156,10 @@ class EntropyTracker:
 
     @classmethod
     def from_config(cls, options: Any) -> EntropyTracker:
-        """From an :class:`~vllm_entmtp.config.EntMTPConfig` (``entropy_window``, ``acceptance_window``)."""
-        return cls(entropy_window=options.entropy_window, acceptance_window=options.acceptance_window)
+        """From an :class:`~vllm_entmtp.config.EntMTPConfig` (``entropy_window``, ``acceptance_window``,
+        ``confidence_window``)."""
+        return cls(entropy_window=options.entropy_window, acceptance_window=options.acceptance_window,
+                   confidence_window=getattr(options, "confidence_window", None))
 
     # -- updates ------------------------------------------------------------------------------------------------
 

@@ -140,8 +140,8 @@ class HydraDrafter:
         confidence_threshold: as for :class:`MTPDrafter` (chains only).
     """
 
-    #: :meth:`confidence` runs every head along the greedy chain, more than a shallow tree needs: callers that do
-    #: not use the confidence signal skip it.
+    #: :meth:`confidence` runs heads along the greedy chain (as many as asked), which a tree may not need: callers
+    #: that do not use the confidence signal skip it.
     confidence_is_free = False
 
     def __init__(self, heads: HydraHeads, embed: Callable[[torch.Tensor], torch.Tensor],
@@ -168,15 +168,17 @@ class HydraDrafter:
         return self.heads.to_token_ids(cols).tolist(), top1_p.tolist()
 
     @torch.inference_mode()
-    def confidence(self, hidden: torch.Tensor, bonus: torch.Tensor, topk: int = 8
+    def confidence(self, hidden: torch.Tensor, bonus: torch.Tensor, topk: int = 8, num_heads: int | None = None
                    ) -> tuple[torch.Tensor, dict]:
-        """Top-1 probabilities along each request's greedy chain: ``[B, num_heads]`` float32, and a state
-        (every evaluated path's top-``topk`` tokens) that :meth:`propose` reuses for the same paths."""
+        """Top-1 probabilities along each request's greedy chain: ``[B, num_heads]`` float32 (the first
+        ``num_heads`` heads; None: all), and a state (every evaluated path's top-``topk`` tokens) that
+        :meth:`propose` reuses for the same paths."""
         b = hidden.shape[0]
+        k_max = self.num_heads if num_heads is None else min(num_heads, self.num_heads)
         memo: dict[tuple[int, tuple[int, ...]], tuple[list[int], float]] = {}
         paths = [[int(t)] for t in bonus.tolist()]
-        probs = torch.zeros(b, self.num_heads, dtype=torch.float32)
-        for k in range(self.num_heads):
+        probs = torch.zeros(b, k_max, dtype=torch.float32)
+        for k in range(k_max):
             ids = torch.tensor(paths, dtype=torch.long, device=hidden.device)
             toks, p1 = self._level(k, hidden, ids, topk)
             probs[:, k] = torch.tensor(p1)

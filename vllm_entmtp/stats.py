@@ -5,6 +5,7 @@ and the tests do. Acceptance lengths here exclude the bonus token.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 
 
@@ -20,6 +21,8 @@ class TreeStats:
     # tree id -> [n, sum x, sum y, sum xy, sum xx, sum yy] of (entropy EMA at the choice, nats; accepted draft
     # tokens of that draft, bonus excluded): the correlation of the tracked entropy with the next acceptance
     signal_pairs: dict = field(default_factory=dict)
+    # the same for the path confidence at the choice (product of the heads' top-1 probabilities), when tracked
+    confidence_pairs: dict = field(default_factory=dict)
 
     def record_choice(self, tree_id: str | None) -> None:
         """One request-step's proposal (chains and "none" included), for the share of steps per tree."""
@@ -39,31 +42,37 @@ class TreeStats:
         entry[1] += num_nodes
         entry[2] += len(path)
 
-    def record_signal(self, tree_id: str, entropy: float, accepted: int) -> None:
-        """One drafting step of a request: its entropy EMA (nats) when its tree was chosen, and how many of the
-        draft tokens were accepted (bonus excluded)."""
-        v = self.signal_pairs.setdefault(tree_id, [0, 0.0, 0.0, 0.0, 0.0, 0.0])
-        x, y = float(entropy), float(accepted)
-        v[0] += 1
-        v[1] += x
-        v[2] += y
-        v[3] += x * y
-        v[4] += x * x
-        v[5] += y * y
+    def record_signal(self, tree_id: str, entropy: float | None, accepted: int,
+                      confidence: float | None = None) -> None:
+        """One drafting step of a request: its entropy EMA (nats) and path confidence when its tree was chosen
+        (either None: not tracked), and how many of the draft tokens were accepted (bonus excluded)."""
+        for pairs, x in ((self.signal_pairs, entropy), (self.confidence_pairs, confidence)):
+            if x is not None:
+                _add_pair(pairs.setdefault(tree_id, [0, 0.0, 0.0, 0.0, 0.0, 0.0]), float(x), float(accepted))
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["per_tree"] = {k: {"steps": v[0], "nodes": v[1], "accepted": v[2]} for k, v in self.per_tree.items()}
-        pooled = [sum(col) for col in zip(*self.signal_pairs.values())] if self.signal_pairs else None
-        d["entropy_acceptance"] = {
-            **{k: pearson(*v) for k, v in self.signal_pairs.items()},
-            **({"all": pearson(*pooled)} if pooled else {})}
+        for key, pairs in (("entropy_acceptance", self.signal_pairs), ("confidence_acceptance",
+                                                                       self.confidence_pairs)):
+            pooled = [sum(col) for col in zip(*pairs.values())] if pairs else None
+            d[key] = {**{k: pearson(*v) for k, v in pairs.items()}, **({"all": pearson(*pooled)} if pooled else {})}
         return d
 
 
+def _add_pair(v: list, x: float, y: float) -> None:
+    """Add ``(x, y)`` to running sums ``[n, sum x, sum y, sum xy, sum xx, sum yy]``."""
+    v[0] += 1
+    v[1] += x
+    v[2] += y
+    v[3] += x * y
+    v[4] += x * x
+    v[5] += y * y
+
+
 def pearson(n: float, sx: float, sy: float, sxy: float, sxx: float, syy: float) -> dict:
-    """``{"n", "mean_entropy", "mean_accepted", "r"}`` from running sums; ``r`` is None when undefined."""
-    out = {"n": int(n), "mean_entropy": sx / n if n else None, "mean_accepted": sy / n if n else None, "r": None}
+    """``{"n", "mean_signal", "mean_accepted", "r"}`` from running sums; ``r`` is None when undefined."""
+    out = {"n": int(n), "mean_signal": sx / n if n else None, "mean_accepted": sy / n if n else None, "r": None}
     if n >= 2:
         cov = sxy - sx * sy / n
         vx, vy = sxx - sx * sx / n, syy - sy * sy / n
@@ -72,11 +81,63 @@ def pearson(n: float, sx: float, sy: float, sxy: float, sxx: float, syy: float) 
     return out
 
 
+STEP_TIMES_ENV = "VLLM_ENTMTP_STEP_TIMES"
+"""Set to 1 to time single-request decode steps by draft nodes (:class:`StepTimer`; for benchmarks)."""
+
+
+class StepTimer:
+    """Wall time of engine steps that decode one request, by the number of draft nodes verified in the step.
+
+    The runner times a step from its ``_prepare_inputs`` to the next step's, for steps that decode one request
+    (no prompt tokens) followed by another step of the same request: the whole step period (forward,
+    verification, sampling, drafting, and vLLM's scheduler and output processing between steps). The latest
+    ``cap`` per node count are kept. Medians of these are the in-engine step costs
+    that ``benchmarks/ablation.py`` reports and ``vllm-entmtp build-trees --step-costs`` reads; they are immune
+    to the noise spikes that sink a tokens-per-second ratio on a shared machine.
+    """
+
+    def __init__(self, cap: int = 4096):
+        self.cap = cap
+        self._times: dict[int, list[float]] = {}
+        self._next: dict[int, int] = {}
+
+    def record(self, nodes: int, seconds: float) -> None:
+        """One step that verified ``nodes`` draft nodes and took ``seconds``."""
+        buf = self._times.setdefault(nodes, [])
+        if len(buf) < self.cap:
+            buf.append(seconds)
+        else:  # ring: overwrite the oldest
+            i = self._next.get(nodes, 0)
+            buf[i] = seconds
+            self._next[nodes] = (i + 1) % self.cap
+
+    def summary(self) -> dict[str, dict]:
+        """``{str(nodes): {"n": steps, "median_ms": ms, "p25_ms": ms, "p75_ms": ms}}``, by node count."""
+        out = {}
+        for nodes in sorted(self._times):
+            v = sorted(self._times[nodes])
+            q = lambda f: 1e3 * v[min(len(v) - 1, int(f * len(v)))]  # noqa: E731
+            out[str(nodes)] = {"n": len(v), "median_ms": round(1e3 * statistics.median(v), 4),
+                               "p25_ms": round(q(0.25), 4), "p75_ms": round(q(0.75), 4)}
+        return out
+
+
+def step_costs_from_times(step_ms: dict[str, dict]) -> dict[str, float]:
+    """``{str(nodes): median step time / median step time with 0 nodes}`` (empty without 0-node steps)."""
+    base = step_ms.get("0", {}).get("median_ms")
+    if not base:
+        return {}
+    return {n: round(v["median_ms"] / base, 4) for n, v in step_ms.items() if n != "0"}
+
+
 def worker_stats(worker) -> dict:
     """For ``LLM.collective_rpc``: the entmtp drafter's :class:`TreeStats` of this worker, as a dict."""
     drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
     stats = getattr(drafter, "tree_stats", None)
     out = stats.as_dict() if stats is not None else {}
+    timer = getattr(drafter, "step_timer", None)
+    if timer is not None:
+        out["step_ms"] = timer.summary()
     scheduler = getattr(drafter, "scheduler", None)
     if scheduler is not None:
         out["scheduler"] = scheduler.stats.as_dict()

@@ -82,12 +82,16 @@ def _draft_budget(options, heads_cfg, heads_dir, num_spec: int | None):
         from vllm_entmtp.trees import load_tree_set
 
         tree_set = load_tree_set(options.tree_set, num_heads=heads_cfg.num_heads)
-        largest = max(t.num_nodes for t in TreeScheduler.from_config(options, tree_set).ladder)
-        if num_spec is not None and num_spec != largest:
+        ladder = TreeScheduler.from_config(options, tree_set).ladder
+        largest = max([t.num_nodes for t in ladder if t is not None] or [1])  # "none" bins draft nothing
+        in_set = max(t.num_nodes for _, t in tree_set.trees)
+        if num_spec is not None and not largest <= num_spec <= in_set:
             raise EntMTPConfigError(
-                f"method 'entmtp': num_speculative_tokens={num_spec} but the largest tree of tree_set "
-                f"{options.tree_set!r} has {largest} nodes; leave num_speculative_tokens out")
-        return largest, None, None, str(tree_set.source)
+                f"method 'entmtp': num_speculative_tokens={num_spec}, but the scheduled trees of tree_set "
+                f"{options.tree_set!r} need {largest} and its largest tree has {in_set} nodes; leave "
+                f"num_speculative_tokens out (= {largest}), or give {largest}..{in_set} to let requests hold "
+                f"larger trees of the set (extra_args entmtp_tree_id)")
+        return num_spec or largest, None, None, str(tree_set.source)
     tree_id, tree = resolve_static_tree(options, heads_cfg.num_heads)
     if tree is not None:  # a tree is verified whole: the step's draft-token budget is its node count
         if num_spec is not None and num_spec != tree.num_nodes:
@@ -137,6 +141,10 @@ def apply() -> None:
         heads_dir = resolve_heads(self.model, self.target_model_config)
         heads_cfg = _check_heads_fit(heads_dir, self.target_model_config)
         options = resolve_policy(options, self.num_speculative_tokens is not None, heads_cfg.num_heads)
+        if options.confidence_heads > heads_cfg.num_heads:
+            raise EntMTPConfigError(
+                f"method 'entmtp': confidence_heads={options.confidence_heads}, but the heads {heads_dir} have "
+                f"{heads_cfg.num_heads}; allowed: 1..{heads_cfg.num_heads}")
         (self.num_speculative_tokens, tree_id, tree,
          self.entmtp_tree_set_path) = _draft_budget(options, heads_cfg, heads_dir, self.num_speculative_tokens)
         self.model = str(heads_dir)

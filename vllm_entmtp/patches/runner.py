@@ -20,13 +20,15 @@ sampling request, chain or tree, is verified by this project's rejection sampler
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import numpy as np
 import torch
 
 from vllm_entmtp.metrics import publish
 from vllm_entmtp.patches.tree_step import STEP, TreeRows, fix_rows_for
-from vllm_entmtp.stats import TreeStats
+from vllm_entmtp.stats import STEP_TIMES_ENV, StepTimer, TreeStats
 from vllm_entmtp.trees import Tree
 
 logger = logging.getLogger("vllm_entmtp")
@@ -90,9 +92,11 @@ def _make_proposer_class():
 
                 self.prefix_cache = PrefixKVCache(heads)
             self.pending: dict[str, tuple[Tree, list[int]]] = {}
-            self._drafted_at: dict[str, tuple[str, float | None]] = {}  # request -> (tree id, entropy EMA)
+            # request -> (tree id, entropy EMA, path confidence) of its last draft
+            self._drafted_at: dict[str, tuple[str, float | None, float | None]] = {}
             self._warned: set[str] = set()
             self.tree_stats = TreeStats()
+            self.step_timer = StepTimer() if os.environ.get(STEP_TIMES_ENV) == "1" else None
             self.static_tree = Tree(spec.entmtp_tree) if spec.entmtp_tree else None
             self.static_tree_id = getattr(spec, "entmtp_tree_id", None) or "tree"
             from vllm_entmtp.training.record import recorder_from_env
@@ -211,9 +215,9 @@ def _make_proposer_class():
                 else:
                     self.pending.pop(req_id, None)
             if self.scheduler is not None:  # the signal behind each draft; its acceptance comes next step
-                for req_id, (tree_id, _), toks, ent in zip(req_ids, chosen, drafts, self._choice_entropy):
-                    if toks and ent is not None:
-                        self._drafted_at[req_id] = (tree_id, ent)
+                for req_id, (tree_id, _), toks, (ent, conf) in zip(req_ids, chosen, drafts, self._choice_signals):
+                    if toks and (ent is not None or conf is not None):
+                        self._drafted_at[req_id] = (tree_id, ent, conf)
             publish(self.tree_stats.as_dict())  # for /metrics (vllm_entmtp.metrics)
             return drafts
 
@@ -221,8 +225,12 @@ def _make_proposer_class():
             """EntMTP: update each request's signals, let the scheduler pick its tree, draft it."""
             top1 = state = None
             if self.scheduler.policy == "confidence" or self.drafter.confidence_is_free:
-                top1, state = self.drafter.confidence(hidden, bonus)
-                top1 = top1.tolist()  # [B, heads]
+                k = self.spec_config.entmtp.confidence_heads  # the path confidence's heads
+                if self.drafter.confidence_is_free:
+                    top1, state = self.drafter.confidence(hidden, bonus)
+                else:
+                    top1, state = self.drafter.confidence(hidden, bonus, num_heads=k)
+                top1 = top1[:, :k].tolist()  # [B, k]
             entropy, accepted = getattr(self.runner, "_entmtp_signals", (None, None))
             for i, rid in enumerate(req_ids):
                 if active is not None and not active[i]:
@@ -232,14 +240,14 @@ def _make_proposer_class():
                                     top1[i] if top1 is not None else None, acc)
                 prev = self._drafted_at.pop(rid, None)
                 if prev is not None and acc is not None:
-                    self.tree_stats.record_signal(prev[0], prev[1], acc)
+                    self.tree_stats.record_signal(prev[0], prev[1], acc, prev[2])
             signals = self.tracker.signals_batch(req_ids)
             choices = self.scheduler.choose(req_ids, signals, self.scheduler.node_budget(len(req_ids)))
             for i, rid in enumerate(req_ids):
                 forced = self._forced_tree(rid)
                 if forced is not None:
                     choices[i] = forced
-            self._choice_entropy = [sg.entropy_ema for sg in signals]
+            self._choice_signals = [(sg.entropy_ema, sg.confidence if top1 is not None else None) for sg in signals]
             chosen = [self._tree_for(r, b, c) for r, b, c in zip(req_ids, budgets, choices)]
             return chosen, self.drafter.propose(hidden, [t for _, t in chosen], bonus, state)
 
@@ -400,6 +408,19 @@ def _prefix_layer_hidden(runner, hidden_states: torch.Tensor, sampled_token_ids,
     return runner.drafter.prefix_cache.advance(list(runner.input_batch.req_ids[:n]), blocks, positions)
 
 
+def _time_step(runner, scheduler_output, t0: float) -> None:
+    """:class:`~vllm_entmtp.stats.StepTimer`: a step that decodes one request (no prompt tokens) is timed from its
+    start to the start of the next step of the same request, i.e. the whole engine step period (forward,
+    verification, sampling, drafting, vLLM's scheduler and output processing), by its draft nodes."""
+    ids = list(scheduler_output.num_scheduled_tokens)
+    nodes = sum(len(v) for v in scheduler_output.scheduled_spec_decode_tokens.values())
+    decoding = len(ids) == 1 and scheduler_output.total_num_scheduled_tokens == nodes + 1
+    prev = getattr(runner, "_entmtp_step_start", None)
+    if prev is not None and decoding and prev[0] == ids[0]:
+        runner.drafter.step_timer.record(prev[1], t0 - prev[2])
+    runner._entmtp_step_start = (ids[0], nodes, t0) if decoding else None
+
+
 def _discarded_cpu_generators(runner) -> dict[int, torch.Generator]:
     """Seeded CPU generators of the requests whose sample this step is discarded (a prefill chunk that does not
     reach the end of the prompt), by batch index."""
@@ -431,9 +452,12 @@ def apply() -> None:
             self.drafter.runner = self
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        t0 = time.perf_counter()
         out = orig_prepare(self, scheduler_output, num_scheduled_tokens)
         if isinstance(getattr(self, "drafter", None), proposer_cls):
             _record_tree_rows(self, scheduler_output)
+            if self.drafter.step_timer is not None:
+                _time_step(self, scheduler_output, t0)
         return out
 
     def _sample(self, logits, spec_decode_metadata):

@@ -18,8 +18,8 @@ process group) before the next method starts. Servers run `--dtype float32` on C
 * ``medusa-tree`` / ``hydra-tree``: entmtp with the shipped Medusa / Hydra heads and the static tree ``mc12`` of
   the tree set ``ladder``;
 * ``entmtp``: ``{"method": "entmtp"}``, the plugin's defaults;
-* ``entmtp-<task>``: entmtp with the tree set named after a task (``trees/<task>.json``) and the entropy policy,
-  run on that task only.
+* ``entmtp-<task>``: entmtp with the tree set named after a task (``trees/<task>.json``), scheduled by the signal
+  of its schedule, run on that task only.
 
 A method whose heads or tree set is not shipped is skipped with a note (naming it in ``--methods`` is an error).
 
@@ -126,12 +126,12 @@ def method_table(heads: dict, tree_sets: dict, preferred_kinds=("hydra", "medusa
         "entmtp, Hydra heads, static tree mc12", no_heads("hydra"))
     kind = next((k for k in preferred_kinds if k in heads), None)
     add("entmtp", {"method": "entmtp"}, f"entmtp defaults: {kind} heads, trees of the set 'default' scheduled "
-        "by entropy", None if kind else f"no heads are shipped for {SERVED_MODEL_NAME}")
+        "by its schedule's signal", None if kind else f"no heads are shipped for {SERVED_MODEL_NAME}")
     for task in TASKS:
         missing = (None if task in tree_sets else f"no tree set named {task!r} (trees/{task}.json)") \
             or (None if kind else f"no heads are shipped for {SERVED_MODEL_NAME}")
-        add(f"entmtp-{task}", {"method": "entmtp", "tree_set": task, "policy": "entropy"},
-            f"entmtp, tree set {task}, entropy policy ({task} only)", missing, only_task=task)
+        add(f"entmtp-{task}", {"method": "entmtp", "tree_set": task},
+            f"entmtp, tree set {task}, scheduled by its signal ({task} only)", missing, only_task=task)
     return available, skipped
 
 

@@ -35,9 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_entmtp.trees import load_tree_set
 
     ts = load_tree_set(args.tree_set)
-    opts = EntMTPConfig(policy="entropy", tree_set=args.tree_set)
+    policy = ts.schedule.signal if ts.schedule is not None else "entropy"
+    opts = EntMTPConfig(policy=policy, tree_set=args.tree_set)
     rng = random.Random(0)
-    print(f"tree set {ts.name}, policy entropy; step of {args.step_ms} ms for the share")
+    print(f"tree set {ts.name}, policy {policy}; step of {args.step_ms} ms for the share")
     print(f"{'batch':>5} {'tracker+choice us':>18} {'share':>7} {'entropy_nats us':>16} {'share':>7}")
     for b in (int(x) for x in args.batch_sizes.split(",")):
         tracker, sched = EntropyTracker.from_config(opts), TreeScheduler.from_config(opts, ts)

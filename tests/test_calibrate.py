@@ -145,6 +145,22 @@ def test_signal_series_is_what_the_runtime_tracker_holds():
         C.signal_series(recs, "nope", 1)
 
 
+def test_signal_correlations_find_the_predictive_signal():
+    g = torch.Generator().manual_seed(0)
+    n = 400
+    conf = torch.rand(n, generator=g)
+    hit = torch.rand(n, generator=g) < conf  # head 0 is right with probability = its confidence
+    ranks = torch.where(hit, 0, 3).to(torch.int16)[:, None].repeat(1, 2)
+    recs = [{"entropy": torch.rand(n, generator=g), "ranks": ranks,  # entropy: unrelated noise
+             "head_top1": torch.stack([conf, torch.full((n,), 0.5)], 1)}]
+    got = C.signal_correlations(recs, entropy_window=4)
+    assert set(got) == {"entropy_ema", "entropy_last", "confidence_1_heads", "confidence_2_heads"}
+    c1 = got["confidence_1_heads"]
+    assert c1["r_first"] > 0.4 and c1["first_hit_top30"] > 0.75 > 0.25 > c1["first_hit_bottom30"]
+    assert abs(got["entropy_last"]["r_first"]) < 0.15
+    assert got["confidence_2_heads"]["r_first"] == pytest.approx(c1["r_first"], abs=1e-3)  # x 0.5: same r
+
+
 def test_step_costs_file_and_interpolation(tmp_path):
     f = tmp_path / "cost.json"
     f.write_text(json.dumps({"step_cost_by_nodes": {"0": 1.0, "1": 1.2, "4": 1.5, "2": 1.1}}))
@@ -309,6 +325,8 @@ def test_build_trees_end_to_end(tiny_model, tmp_path, capsys):
     cal = ts.metadata[ts.ids[0]]["calibration"]
     assert ts.schedule.signal == "confidence" and cal["signal"] == "confidence" and cal["signal_window"] == 1
     assert cal["confidence_heads"] == 1
+    assert {"entropy_ema", "confidence_1_heads"} <= set(cal["signal_correlations"])
+    assert cal["expected_overall"]["schedule"] > 0
     assert all(0 <= x <= 1 for x in ts.schedule.thresholds)
     assert list(ts.schedule.thresholds) == sorted(ts.schedule.thresholds, reverse=True)
     assert "confidence_range" in cal["bins"][0]

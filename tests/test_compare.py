@@ -61,7 +61,7 @@ def test_method_table_with_everything_shipped(checkout, tmp_path):
                                             "tree_id": "mc12"}
     assert available["entmtp"].spec == {"method": "entmtp"}
     assert "hydra" in available["entmtp"].note  # the preferred kind when both are shipped
-    assert available["entmtp-gsm8k"].spec == {"method": "entmtp", "tree_set": "gsm8k", "policy": "entropy"}
+    assert available["entmtp-gsm8k"].spec == {"method": "entmtp", "tree_set": "gsm8k"}  # auto: the set's signal
 
 
 def test_method_table_medusa_only(checkout):

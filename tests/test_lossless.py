@@ -101,7 +101,8 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     chain = _run(tmp, "chain", default_model, {"method": "entmtp", "model": shipped_heads["medusa"],
                                                "num_speculative_tokens": 4},
                  [{"name": "c8", "concurrency": 8, "extra_args": caps}], convs)
-    tree = _run(tmp, "tree", default_model, {"method": "entmtp", "tree_set": "default", "policy": "entropy"},
+    policy = ts.schedule.signal  # the policy the default set is scheduled by (what {"method": "entmtp"} runs)
+    tree = _run(tmp, "tree", default_model, {"method": "entmtp", "tree_set": "default", "policy": policy},
                 [{"name": "bs1", "concurrency": 1}, {"name": "c4", "concurrency": 4, "extra_args": mixed},
                  {"name": "c16", "concurrency": 16, "extra_args": caps},
                  {"name": "stop", "concurrency": 16, "stop": STOP},
@@ -111,7 +112,7 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     tree["forced"] = forced
     prefix = _run(tmp, "prefix", default_model,
                   {"method": "entmtp", "model": _prefix_heads(shipped_heads["hydra"], default_model, tmp / "prefix"),
-                   "tree_set": "default", "policy": "entropy"},
+                   "tree_set": "default", "policy": policy},
                   [{"name": "c4", "concurrency": 4, "prompts": PREFIX_PROMPTS}], convs,
                   engine_args={"enable_chunked_prefill": True, "max_num_batched_tokens": MAX_BATCHED})
     return prompts, plain, {"chain": chain, "tree": tree, "prefix": prefix}

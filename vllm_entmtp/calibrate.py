@@ -565,6 +565,47 @@ def signal_series(records: Sequence[dict], signal: str, window: int, confidence_
     return torch.tensor(out, dtype=torch.float32)
 
 
+def signal_correlations(records: Sequence[dict], entropy_window: int) -> dict[str, dict]:
+    """How well each candidate signal predicts acceptance at a position, to choose ``--signal``.
+
+    Signals: the entropy EMA (window ``entropy_window``, negated: lower entropy should mean more acceptance),
+    this position's entropy (negated), and the path confidence of the first ``k`` heads (window 1) for ``k`` =
+    1, 2 and all. Targets: whether head 0's top-1 is the true token (the first draft token is accepted), and the
+    greedy chain's accepted length (leading heads whose top-1 is right, along the true path).
+
+    Returns:
+        ``{signal: {"r_first": Pearson r, "r_chain": Pearson r, "first_hit_top30": rate, "first_hit_bottom30":
+        rate}}`` over the positions where every head has a true token; the rates are head 0's hit rate among
+        the 30 % of positions with the highest / lowest signal.
+    """
+    ranks = torch.cat([r["ranks"] for r in records]).long()
+    top1 = torch.cat([r["head_top1"] for r in records]).double()
+    k = ranks.shape[1]
+    sig = {"entropy_ema": -signal_series(records, "entropy", entropy_window).double(),
+           "entropy_last": -signal_series(records, "entropy", 1).double()}
+    for h in sorted({1, min(2, k), k}):
+        sig[f"confidence_{h}_heads"] = top1[:, :h].prod(1)
+    ok = (ranks >= 0).all(1)
+    first = (ranks[ok, 0] == 0).double()
+    chain = (ranks[ok] == 0).long().cumprod(1).sum(1).double()
+
+    def r(a: torch.Tensor, b: torch.Tensor) -> float | None:
+        a, b = a - a.mean(), b - b.mean()
+        d = float(a.norm() * b.norm())
+        return round(float((a * b).sum()) / d, 4) if d > 0 else None
+
+    out = {}
+    for name, v in sig.items():
+        v = v[ok]
+        if v.numel() < 2:
+            continue
+        hi, lo = v >= v.quantile(0.7), v <= v.quantile(0.3)
+        out[name] = {"r_first": r(v, first), "r_chain": r(v, chain),
+                     "first_hit_top30": round(float(first[hi].mean()), 4),
+                     "first_hit_bottom30": round(float(first[lo].mean()), 4)}
+    return out
+
+
 # ------------------------------------------------------------------------------------------ cost
 @torch.inference_mode()
 def measure_verify_times(model, sizes: Sequence[int], context_tokens: int = 256, repeats: int = 7,
@@ -1211,6 +1252,7 @@ def _run(args: argparse.Namespace) -> int:
                                              "step_cost_by_nodes": {str(n): c for n, c in step_costs.items()},
                                              "used": "instead of verify + draft above"}
     calibration["expected_overall"] = overall = expected_overall(choices)
+    calibration["signal_correlations"] = corr = signal_correlations(records, defaults.entropy_window)
     name = args.name or f"{label}-{kind}"
     times_ms = {"verify": {n: s * 1e3 for n, s in verify_s.items()},
                 "draft": {k: s * 1e3 for k, s in draft_of.items()}}
@@ -1237,4 +1279,8 @@ def _run(args: argparse.Namespace) -> int:
         bs = overall["best_static"]
         print(f"expected over all positions: schedule x{overall['schedule']:.3f}; best single tree "
               f"({bs['num_nodes']} nodes {bs['paths']}) x{bs['speedup']:.3f}")
+    print("signals vs acceptance (Pearson r with head 0's hit / the chain's accepted length; head 0's hit rate "
+          "in the top / bottom 30 % of the signal): " + "; ".join(
+              f"{n} {v['r_first']:+.2f}/{v['r_chain']:+.2f} ({v['first_hit_top30']:.2f} vs "
+              f"{v['first_hit_bottom30']:.2f})" for n, v in corr.items() if v["r_first"] is not None))
     return 0

@@ -17,9 +17,9 @@ the Pearson correlation between the request's entropy EMA when the tree was draf
 confidence when tracked (the ``confidence`` policy), and the number of its draft tokens accepted (bonus
 excluded), pooled over the phases.
 
-Step cost per tree size (``step_cost_by_nodes`` in the result; ``vllm-entmtp build-trees --step-costs`` reads
-it): the median time of a one-request decode step that verifies N draft nodes, over the median of one that
-verifies none (``step_ms``: the engine times its steps, ``vllm_entmtp.stats.StepTimer``). Medians of hundreds
+Step cost per tree size and kind (``step_cost_by_nodes`` in the result, keys ``"N"`` for chains and ``"Nt"`` for
+trees that need the tree-attention fix; ``vllm-entmtp build-trees --step-costs`` reads it): the median time of a
+one-request decode step that verifies N draft nodes, over the median of one that verifies none (``step_ms``: the engine times its steps, ``vllm_entmtp.stats.StepTimer``). Medians of hundreds
 of steps shrug off the load spikes that move a tokens/s ratio by 5-10 % on a shared machine. (The tokens/s
 estimate, ``MAL x (tokens/s without drafting) / (tokens/s with the tree)``, is ``step_cost_by_nodes_from_rates``.) "No drafting" here still runs the speculative
 pipeline with empty drafts; plain decoding without it is ``benchmarks/compare.py``'s baseline.
@@ -79,16 +79,18 @@ def summarize(phases: list[dict], names: list[str]) -> dict:
     return {"variants": out, "best_static": best}
 
 
-def step_cost_from_rates(summary: dict, nodes_of: dict[str, int]) -> dict[str, float]:
-    """``{nodes: step cost relative to no drafting}`` of the static trees (``nodes_of``: tree id -> nodes);
-    trees of the same size averaged; node counts as strings (JSON keys), sorted."""
+def step_cost_from_rates(summary: dict, key_of: dict[str, str]) -> dict[str, float]:
+    """``{key: step cost relative to no drafting}`` of the static trees (``key_of``: tree id -> its
+    ``vllm_entmtp.stats.step_key``); trees of the same key averaged, sorted by nodes."""
     base = summary["variants"].get(NO_DRAFT, {}).get("tokens_per_s")
     per: dict[int, list[float]] = {}
     for name, o in summary["variants"].items():
         if name.startswith("tree:") and base and o["tokens_per_s"]:
             cost = o["mean_acceptance_length_incl_bonus"] * base / o["tokens_per_s"]
-            per.setdefault(nodes_of[name[len("tree:"):]], []).append(cost)
-    return {str(n): round(sum(v) / len(v), 4) for n, v in sorted(per.items())}
+            per.setdefault(key_of[name[len("tree:"):]], []).append(cost)
+    from vllm_entmtp.stats import parse_step_key
+
+    return {k: round(sum(v) / len(v), 4) for k, v in sorted(per.items(), key=lambda kv: parse_step_key(kv[0]))}
 
 
 def format_table(summary: dict) -> str:
@@ -189,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_entmtp.datasets import load_prompts
     from vllm_entmtp.harness import run_job
     from vllm_entmtp.models import prepare_default_model
-    from vllm_entmtp.stats import STEP_TIMES_ENV, step_costs_from_times
+    from vllm_entmtp.patches.tree_step import fix_rows_for
+    from vllm_entmtp.stats import STEP_TIMES_ENV, step_costs_from_times, step_key
     from vllm_entmtp.trees import NO_DRAFT_ID, load_tree_set
 
     ts = load_tree_set(args.tree_set)
@@ -231,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     summary["confidence_acceptance"] = final_stats.get("confidence_acceptance", {})
     summary["step_ms"] = final_stats.get("step_ms", {})
     summary["step_cost_by_nodes"] = step_costs_from_times(summary["step_ms"])
-    summary["step_cost_by_nodes_from_rates"] = step_cost_from_rates(summary, {t: ts.get(t).num_nodes
-                                                                              for t in tree_ids})
+    summary["step_cost_by_nodes_from_rates"] = step_cost_from_rates(
+        summary, {t: step_key(ts.get(t).num_nodes, bool(fix_rows_for(ts.get(t).parents))) for t in tree_ids})
     summary["policy"] = policy
     source = Path(ts.source).resolve()
     shown = source.relative_to(Path.cwd()) if source.is_relative_to(Path.cwd()) else source  # no machine paths

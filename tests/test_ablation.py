@@ -98,20 +98,28 @@ def test_step_cost_by_nodes():
          for v, t, d, a in [("no-drafting", 100, 0, 0), ("tree:a", 120, 80, 40), ("tree:b", 100, 50, 50),
                             ("tree:c", 90, 60, 30)]], ["no-drafting", "tree:a", "tree:b", "tree:c", "scheduled"])
     # a: MAL 1.5 at 12 tok/s vs 10: cost 1.25; b: MAL 2 at 10: 2.0; c: MAL 1.5 at 9: 1.6667
-    assert ab.step_cost_from_rates(summary, {"a": 1, "b": 4, "c": 4}) == {"1": 1.25, "4": round((2 + 15 / 9) / 2, 4)}
+    assert ab.step_cost_from_rates(summary, {"a": "1", "b": "4t", "c": "4t"}) == {"1": 1.25,
+                                                                                "4t": round((2 + 15 / 9) / 2, 4)}
+    assert ab.step_cost_from_rates(summary, {"a": "1", "b": "4", "c": "4t"}) == {"1": 1.25, "4": 2.0,
+                                                                               "4t": round(15 / 9, 4)}
 
 
 def test_step_timer_medians_and_costs():
-    from vllm_entmtp.stats import StepTimer, step_costs_from_times
+    from vllm_entmtp.stats import StepTimer, parse_step_key, step_costs_from_times, step_key
 
     t = StepTimer(cap=4)
     for x in (0.10, 0.11, 0.50, 0.09):  # one spike: the median ignores it
-        t.record(0, x)
+        t.record("0", x)
     for x in (0.12, 0.13, 0.14, 0.9, 0.13, 0.13):  # past the cap the oldest are overwritten (0.12, 0.13 go)
-        t.record(2, x)
+        t.record("2", x)
     sm = t.summary()
     assert sm["0"]["n"] == 4 and sm["0"]["median_ms"] == pytest.approx(105.0)
-    assert sm["2"]["n"] == 4 and sorted(t._times[2]) == [0.13, 0.13, 0.14, 0.9]
+    assert sm["2"]["n"] == 4 and sorted(t._times["2"]) == [0.13, 0.13, 0.14, 0.9]
     assert sm["2"]["median_ms"] == pytest.approx(135.0)
     assert step_costs_from_times(sm) == {"2": round(135 / 105, 4)}
     assert step_costs_from_times({"2": sm["2"]}) == {}  # no 0-node steps: no reference
+    t.record(step_key(2, True), 0.2)  # a tree of 2 nodes that needs the attention fix: its own key
+    assert list(t.summary()) == ["0", "2", "2t"] and t.summary()["2t"]["median_ms"] == pytest.approx(200.0)
+    assert parse_step_key("12t") == (12, True) and parse_step_key("3") == (3, False)
+    with pytest.raises(ValueError):
+        parse_step_key("x")

@@ -164,13 +164,25 @@ def test_signal_correlations_find_the_predictive_signal():
 def test_step_costs_file_and_interpolation(tmp_path):
     f = tmp_path / "cost.json"
     f.write_text(json.dumps({"step_cost_by_nodes": {"0": 1.0, "1": 1.2, "4": 1.5, "2": 1.1}}))
-    costs = C.read_step_costs(f)
-    assert costs == {1: 1.2, 2: 1.1, 4: 1.5}
+    both = C.read_step_costs(f)
+    assert both == {"chain": {1: 1.2, 2: 1.1, 4: 1.5}, "tree": {}}
+    costs = both["chain"]
     assert C.interpolate_cost(costs, 1) == pytest.approx(1.2)
     assert C.interpolate_cost(costs, 2) == pytest.approx(1.2)  # never cheaper than fewer nodes
     assert C.interpolate_cost(costs, 3) == pytest.approx(1.35)
     assert C.interpolate_cost(costs, 8) == pytest.approx(1.5 + 0.15 * 4)  # the last slope
-    for bad in ({"nodes": {}}, {"step_cost_by_nodes": {"1": "x"}}, {"step_cost_by_nodes": {"2": -1}}):
+    # no tree costs measured: trees cost what chains of their size do
+    assert C.step_cost_of(both, [[0], [1]]) == pytest.approx(1.2)
+    # chains and trees measured apart: a branching tree reads the tree table, a chain the chain table
+    f.write_text(json.dumps({"step_cost_by_nodes": {"0": 1.0, "1": 1.1, "2": 1.2, "2t": 1.4, "4t": 1.8}}))
+    both = C.read_step_costs(f)
+    assert both == {"chain": {1: 1.1, 2: 1.2}, "tree": {2: 1.4, 4: 1.8}}
+    assert C.step_cost_of(both, [[0], [0, 0]]) == pytest.approx(1.2)
+    assert C.step_cost_of(both, [[0], [1]]) == pytest.approx(1.4)
+    assert C.step_cost_of(both, [[0], [0, 0], [1]]) == pytest.approx(1.6)  # branches after its chain: a tree
+    assert C.step_cost_of(both, [[0]]) == pytest.approx(1.1)
+    for bad in ({"nodes": {}}, {"step_cost_by_nodes": {"1": "x"}}, {"step_cost_by_nodes": {"2": -1}},
+                {"step_cost_by_nodes": {"2x": 1.2}}):
         f.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match="--step-costs"):
             C.read_step_costs(f)

@@ -1013,24 +1013,45 @@ def edge_scores(edges: Sequence[float], signal: str) -> list[float]:
     return list(edges)
 
 
-def read_step_costs(path: str | Path) -> dict[int, float]:
-    """``{draft nodes: step cost relative to a step without drafting}`` from a JSON file with a
-    ``step_cost_by_nodes`` object (``benchmarks/ablation.py`` writes one: costs measured inside the engine).
+def read_step_costs(path: str | Path) -> dict[str, dict[int, float]]:
+    """Step costs relative to a step without drafting, ``{"chain": {nodes: cost}, "tree": {nodes: cost}}``, from a
+    JSON file with a ``step_cost_by_nodes`` object (``benchmarks/ablation.py`` writes one: costs measured inside
+    the engine; keys ``"N"`` for chains, ``"Nt"`` for trees that need the tree-attention fix,
+    :func:`vllm_entmtp.stats.step_key`). Either table may be empty (:func:`step_cost_of` then uses the other).
 
     Raises:
-        ValueError: unreadable file, no such object, or a cost that is not a finite number >= 1 per
+        ValueError: unreadable file, no such object, a bad key, or a cost that is not a finite number > 0 per
             node count >= 1.
     """
+    from vllm_entmtp.stats import parse_step_key
+
+    out: dict[str, dict[int, float]] = {"chain": {}, "tree": {}}
     try:
         raw = json.loads(Path(path).read_text())["step_cost_by_nodes"]
-        costs = {int(n): float(c) for n, c in raw.items()}
+        for k, c in raw.items():
+            n, tree = parse_step_key(str(k))
+            out["tree" if tree else "chain"][n] = float(c)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"--step-costs {path}: expected JSON with \"step_cost_by_nodes\": {{nodes: cost}} "
-                         f"({type(e).__name__}: {e})") from None
-    costs.pop(0, None)
-    if not costs or any(n < 1 or not math.isfinite(c) or c <= 0 for n, c in costs.items()):
+        raise ValueError(f"--step-costs {path}: expected JSON with \"step_cost_by_nodes\": {{\"N\" or \"Nt\": "
+                         f"cost}} ({type(e).__name__}: {e})") from None
+    out["chain"].pop(0, None)
+    costs = [(n, c) for t in out.values() for n, c in t.items()]
+    if not costs or any(n < 1 or not math.isfinite(c) or c <= 0 for n, c in costs):
         raise ValueError(f"--step-costs {path}: costs must be finite numbers > 0 for node counts >= 1, got {raw}")
-    return dict(sorted(costs.items()))
+    return {kind: dict(sorted(t.items())) for kind, t in out.items()}
+
+
+def step_cost_of(costs: dict[str, dict[int, float]], paths: Sequence[Sequence[int]]) -> float:
+    """Measured step cost of the tree ``paths`` (:func:`read_step_costs`): from the tree table when its rows need
+    the tree-attention fix (it branches before its end), else from the chain table, interpolated in the node
+    count (:func:`interpolate_cost`); when that table is empty, the other one."""
+    from vllm_entmtp.patches.tree_step import fix_rows_for
+    from vllm_entmtp.trees import Tree
+
+    t = Tree([list(p) for p in paths])
+    kind = "tree" if fix_rows_for(list(t.parents)) else "chain"
+    table = costs.get(kind) or costs.get("chain" if kind == "tree" else "tree")
+    return interpolate_cost(table, t.num_nodes)
 
 
 def interpolate_cost(costs: dict[int, float], n: int) -> float:
@@ -1203,8 +1224,8 @@ def _run(args: argparse.Namespace) -> int:
     # 3. cost: verification by node count, drafting by tree (or both, measured in vLLM, by node count)
     sizes = sorted({0} | {c.num_nodes for cs in cands.values() for c in cs})
     if step_costs:
-        _log(f"step costs measured in vLLM ({args.step_costs}): "
-             + ", ".join(f"{n}: {c:.3f}" for n, c in step_costs.items()))
+        _log(f"step costs measured in vLLM ({args.step_costs}): " + "; ".join(
+            f"{kind} " + ", ".join(f"{n}: {c:.3f}" for n, c in t.items()) for kind, t in step_costs.items() if t))
     _log(f"timing verification of {', '.join(map(str, sizes))} draft nodes over a {args.cost_context}-token "
          f"context ({args.cost_repeats} runs each, {torch.get_num_threads()} thread(s))")
     gemm = "vllm" if args.gemm == "vllm" and use_vllm_cpu_gemm(model) else "torch"
@@ -1222,7 +1243,7 @@ def _run(args: argparse.Namespace) -> int:
     for cs in cands.values():
         for c in cs:
             if args.step_costs:  # drafting is inside the engine's step time
-                c.verify_cost, c.draft_cost = interpolate_cost(step_costs, c.num_nodes), 0.0
+                c.verify_cost, c.draft_cost = step_cost_of(step_costs, c.key), 0.0
             else:
                 c.verify_cost = verify_s[c.num_nodes] / base
                 c.draft_cost = draft_of[c.key] / base
@@ -1249,7 +1270,9 @@ def _run(args: argparse.Namespace) -> int:
     }
     if args.step_costs:
         calibration["cost"]["step_costs"] = {"file": str(args.step_costs),
-                                             "step_cost_by_nodes": {str(n): c for n, c in step_costs.items()},
+                                             "step_cost_by_nodes": {
+                                                 (f"{n}t" if kind == "tree" else str(n)): c
+                                                 for kind, t in step_costs.items() for n, c in t.items()},
                                              "used": "instead of verify + draft above"}
     calibration["expected_overall"] = overall = expected_overall(choices)
     calibration["signal_correlations"] = corr = signal_correlations(records, defaults.entropy_window)

@@ -85,8 +85,25 @@ STEP_TIMES_ENV = "VLLM_ENTMTP_STEP_TIMES"
 """Set to 1 to time single-request decode steps by draft nodes (:class:`StepTimer`; for benchmarks)."""
 
 
+def step_key(nodes: int, tree: bool) -> str:
+    """:class:`StepTimer` key of a step: ``"N"`` for N draft nodes that attend causally (a chain, or nothing), and
+    ``"Nt"`` for a tree that needs the tree-attention fix (its rows recomputed with the ancestor mask in every
+    layer, ``patches/tree_attention.py``), which costs more than a chain of the same size on a CPU."""
+    return f"{nodes}t" if tree else str(nodes)
+
+
+def parse_step_key(key: str) -> tuple[int, bool]:
+    """``(nodes, tree)`` of a :func:`step_key` (``ValueError`` for anything else)."""
+    tree = key.endswith("t")
+    nodes = int(key[:-1] if tree else key)
+    if nodes < 0:
+        raise ValueError(f"negative node count in step key {key!r}")
+    return nodes, tree
+
+
 class StepTimer:
-    """Wall time of engine steps that decode one request, by the number of draft nodes verified in the step.
+    """Wall time of engine steps that decode one request, by the draft nodes verified in the step and whether they
+    form a tree that needs the tree-attention fix (:func:`step_key`).
 
     The runner times a step from its ``_prepare_inputs`` to the next step's, for steps that decode one request
     (no prompt tokens) followed by another step of the same request: the whole step period (forward,
@@ -98,32 +115,33 @@ class StepTimer:
 
     def __init__(self, cap: int = 4096):
         self.cap = cap
-        self._times: dict[int, list[float]] = {}
-        self._next: dict[int, int] = {}
+        self._times: dict[str, list[float]] = {}
+        self._next: dict[str, int] = {}
 
-    def record(self, nodes: int, seconds: float) -> None:
-        """One step that verified ``nodes`` draft nodes and took ``seconds``."""
-        buf = self._times.setdefault(nodes, [])
+    def record(self, key: str, seconds: float) -> None:
+        """One step of kind ``key`` (:func:`step_key`) that took ``seconds``."""
+        buf = self._times.setdefault(key, [])
         if len(buf) < self.cap:
             buf.append(seconds)
         else:  # ring: overwrite the oldest
-            i = self._next.get(nodes, 0)
+            i = self._next.get(key, 0)
             buf[i] = seconds
-            self._next[nodes] = (i + 1) % self.cap
+            self._next[key] = (i + 1) % self.cap
 
     def summary(self) -> dict[str, dict]:
-        """``{str(nodes): {"n": steps, "median_ms": ms, "p25_ms": ms, "p75_ms": ms}}``, by node count."""
+        """``{key: {"n": steps, "median_ms": ms, "p25_ms": ms, "p75_ms": ms}}`` (:func:`step_key`), by nodes."""
         out = {}
-        for nodes in sorted(self._times):
-            v = sorted(self._times[nodes])
+        for key in sorted(self._times, key=parse_step_key):
+            v = sorted(self._times[key])
             q = lambda f: 1e3 * v[min(len(v) - 1, int(f * len(v)))]  # noqa: E731
-            out[str(nodes)] = {"n": len(v), "median_ms": round(1e3 * statistics.median(v), 4),
+            out[key] = {"n": len(v), "median_ms": round(1e3 * statistics.median(v), 4),
                                "p25_ms": round(q(0.25), 4), "p75_ms": round(q(0.75), 4)}
         return out
 
 
 def step_costs_from_times(step_ms: dict[str, dict]) -> dict[str, float]:
-    """``{str(nodes): median step time / median step time with 0 nodes}`` (empty without 0-node steps)."""
+    """``{key: median step time / median step time with 0 nodes}`` (:func:`step_key`; empty without 0-node
+    steps)."""
     base = step_ms.get("0", {}).get("median_ms")
     if not base:
         return {}

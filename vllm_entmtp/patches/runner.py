@@ -28,7 +28,7 @@ import torch
 
 from vllm_entmtp.metrics import publish
 from vllm_entmtp.patches.tree_step import STEP, TreeRows, fix_rows_for
-from vllm_entmtp.stats import STEP_TIMES_ENV, StepTimer, TreeStats
+from vllm_entmtp.stats import STEP_TIMES_ENV, StepTimer, TreeStats, step_key
 from vllm_entmtp.trees import Tree
 
 logger = logging.getLogger("vllm_entmtp")
@@ -411,14 +411,16 @@ def _prefix_layer_hidden(runner, hidden_states: torch.Tensor, sampled_token_ids,
 def _time_step(runner, scheduler_output, t0: float) -> None:
     """:class:`~vllm_entmtp.stats.StepTimer`: a step that decodes one request (no prompt tokens) is timed from its
     start to the start of the next step of the same request, i.e. the whole engine step period (forward,
-    verification, sampling, drafting, vLLM's scheduler and output processing), by its draft nodes."""
+    verification, sampling, drafting, vLLM's scheduler and output processing), by its draft nodes and whether
+    they need the tree-attention fix (:func:`~vllm_entmtp.stats.step_key`). Called after STEP is filled."""
     ids = list(scheduler_output.num_scheduled_tokens)
     nodes = sum(len(v) for v in scheduler_output.scheduled_spec_decode_tokens.values())
+    key = step_key(nodes, any(tr.fix_rows for tr in STEP.rows.values()))
     decoding = len(ids) == 1 and scheduler_output.total_num_scheduled_tokens == nodes + 1
     prev = getattr(runner, "_entmtp_step_start", None)
     if prev is not None and decoding and prev[0] == ids[0]:
         runner.drafter.step_timer.record(prev[1], t0 - prev[2])
-    runner._entmtp_step_start = (ids[0], nodes, t0) if decoding else None
+    runner._entmtp_step_start = (ids[0], key, t0) if decoding else None
 
 
 def _discarded_cpu_generators(runner) -> dict[int, torch.Generator]:

@@ -133,7 +133,8 @@ def markdown_report(results: list[dict], max_loss: float = 0.02) -> str:
                 out += ["", f"Pearson r, {what} when a tree was drafted vs its accepted draft tokens: " + ", ".join(
                     f"{t} {c['r']:+.2f} (n={c['n']})" for t, c in corr.items() if c.get("r") is not None)]
         if r.get("step_cost_by_nodes"):
-            out += ["", "Step cost by draft nodes (no drafting = 1; MAL x tokens/s without drafting / tokens/s): "
+            out += ["", "Step cost by draft nodes (median engine step period, no drafting = 1; \"Nt\": a tree that "
+                    "needs the attention fix): "
                     + ", ".join(f"{n}: {c:.3f}" for n, c in r["step_cost_by_nodes"].items())]
         out.append("")
         if SCHEDULED not in v:  # a step-cost run (--no-schedule): no verdict
@@ -166,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="rounds, phases rotated each round (default 1)")
     ap.add_argument("--all-trees", action="store_true",
                     help="every tree of the set statically, not only the schedule's")
+    ap.add_argument("--policy", choices=("entropy", "confidence"), default=None,
+                    help="the engine's policy (default: the signal of the set's schedule; entropy without one). "
+                         "It decides what every step computes: confidence costs a head evaluation per step")
     ap.add_argument("--no-schedule", action="store_true",
                     help="leave out the scheduled variant (e.g. measuring step costs with --all-trees)")
     ap.add_argument("--dtype", default="float32")
@@ -205,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     order = phase_order(list(vs), args.repeats)
     prompts = load_prompts(args.prompt_set, limit=args.num_prompts, max_chars=args.max_prompt_chars)
     convs = [p.messages for p in prompts]
-    policy = ts.schedule.signal if ts.schedule is not None else "entropy"
+    policy = args.policy or (ts.schedule.signal if ts.schedule is not None else "entropy")
     spec = {"method": "entmtp", "tree_set": str(ts.source), "policy": policy,
             # room for every tree measured (the default is the largest tree of the schedule)
             "num_speculative_tokens": max(ts.get(t).num_nodes for t in tree_ids)}

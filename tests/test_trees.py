@@ -309,8 +309,10 @@ def test_shipped_contents():
         assert t == Tree(MC_SIM_7B_63[:t.num_nodes])  # the first n nodes of Medusa's greedy order
     for name in ("default", "humaneval", "gsm8k", "sharegpt", "creative"):  # calibrated: build-trees
         ts = load_tree_set(name, num_heads=4)
-        assert ts.heads_kind == "hydra" and ts.schedule is not None and ts.schedule.signal == "entropy", name
-        assert "calibration" in ts.metadata[ts.ids[0]] and (shipped_trees_dir() / "plots" / f"{name}.png").is_file()
+        assert ts.heads_kind == "hydra" and ts.schedule is not None and ts.schedule.signal == "confidence", name
+        cal = ts.metadata[ts.ids[0]]["calibration"]
+        assert cal["signal"] == "confidence" and cal["confidence_heads"] == 1 and cal["signal_window"] == 1, name
+        assert "step_costs" in cal["cost"] and (shipped_trees_dir() / "plots" / f"{name}.png").is_file()
     for tid, t in load_tree_set("small").trees:
         assert 6 <= t.num_nodes <= 10 and t.depth <= 4, tid
 

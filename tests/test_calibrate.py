@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,6 +160,14 @@ def test_signal_correlations_find_the_predictive_signal():
     assert c1["r_first"] > 0.4 and c1["first_hit_top30"] > 0.75 > 0.25 > c1["first_hit_bottom30"]
     assert abs(got["entropy_last"]["r_first"]) < 0.15
     assert got["confidence_2_heads"]["r_first"] == pytest.approx(c1["r_first"], abs=1e-3)  # x 0.5: same r
+
+
+def test_metadata_paths_do_not_name_this_machine(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "heads").mkdir()
+    assert C.display_path(tmp_path / "heads") == "heads"
+    home = Path.home()
+    assert C.display_path(home / ".cache" / "m") == str(Path("~") / ".cache" / "m")
 
 
 def test_step_costs_file_and_interpolation(tmp_path):

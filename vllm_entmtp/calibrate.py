@@ -450,6 +450,17 @@ def _file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else "absent"
 
 
+def display_path(path: str | Path) -> str:
+    """``path`` as a tree set's metadata records it, without this machine's layout: relative to the working
+    folder when inside it, else with the home folder as ``~``."""
+    p = Path(path).expanduser().resolve()
+    for base, shown in ((Path.cwd().resolve(), None), (Path.home().resolve(), "~")):
+        if p.is_relative_to(base):
+            rel = p.relative_to(base)
+            return str(rel) if shown is None else str(Path(shown) / rel)
+    return str(p)
+
+
 def dir_fingerprint(path: str | Path) -> dict:
     """Identity of a model or heads folder for the cache key: resolved path, config digest, and the size and
     modification time of its weight files."""
@@ -1253,7 +1264,7 @@ def _run(args: argparse.Namespace) -> int:
     calibration = {
         "command": "vllm-entmtp build-trees " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["build-trees"]
         else "vllm-entmtp build-trees",
-        "model": str(model_dir), "heads": str(heads_dir), "heads_kind": kind,
+        "model": display_path(model_dir), "heads": display_path(heads_dir), "heads_kind": kind,
         "prompts": args.prompt_set or str(args.jsonl), "num_prompts": len(records),
         "max_tokens": args.max_tokens, "positions": int(score.numel()), "max_rank": args.max_rank,
         "signal": signal, "signal_window": window,

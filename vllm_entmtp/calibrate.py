@@ -49,6 +49,12 @@ SIGNALS = ("entropy", "confidence")
 heads' top-1 probabilities along their greedy chain; with window 1, this step's)."""
 
 
+def score_sign(signal: str) -> float:
+    """Score = sign x signal, increasing from the most aggressive bin to the most conservative one (as the
+    scheduler orders its ladder): +1 for entropy, -1 for confidence."""
+    return -1.0 if signal == "confidence" else 1.0
+
+
 def _log(msg: str) -> None:
     print(f"[build-trees] {msg}", file=sys.stderr, flush=True)
 
@@ -268,9 +274,8 @@ def bin_statistics(entropy: torch.Tensor, ranks: torch.Tensor, edges: Sequence[f
             counts = torch.bincount(rk[labelled[:, d], d].clamp(max=max_rank), minlength=max_rank + 1)
             table.append([c / n_lab[d] if n_lab[d] else 0.0 for c in counts[:max_rank].tolist()])
         n = int(sel.sum())
-        sign = -1.0 if signal == "confidence" else 1.0
-        out.append(BinStats(b, float(lows[b]), float(highs[b]), n,
-                            sign * float(entropy[sel].double().mean()) if n else math.nan, n_lab, table, signal))
+        mean = score_sign(signal) * float(entropy[sel].double().mean()) if n else math.nan
+        out.append(BinStats(b, float(lows[b]), float(highs[b]), n, mean, n_lab, table, signal))
     return out
 
 
@@ -601,9 +606,8 @@ def signal_correlations(records: Sequence[dict], entropy_window: int) -> dict[st
     chain = (ranks[ok] == 0).long().cumprod(1).sum(1).double()
 
     def r(a: torch.Tensor, b: torch.Tensor) -> float | None:
-        a, b = a - a.mean(), b - b.mean()
-        d = float(a.norm() * b.norm())
-        return round(float((a * b).sum()) / d, 4) if d > 0 else None
+        x = float(torch.corrcoef(torch.stack([a, b]))[0, 1])
+        return round(x, 4) if math.isfinite(x) else None  # NaN: a constant series
 
     out = {}
     for name, v in sig.items():
@@ -791,7 +795,7 @@ def expected_overall(choices: list[BinChoice]) -> dict:
     tokens per step (bonus included) and ``C`` the cost.
 
     Returns:
-        ``{"schedule": x, "best_static": {"key": paths, "num_nodes": n, "speedup": x}}``.
+        ``{"schedule": x, "best_static": {"paths": [[rank, ...], ...], "num_nodes": n, "speedup": x}}``.
     """
     w = [b.stats.positions for b in choices]
 
@@ -860,7 +864,7 @@ def build_tree_set(choices: list[BinChoice], *, name: str, heads_kind: str, num_
     ladder: list[tuple[str, tuple[Path_, ...]]] = []
     thresholds: list[float] = []  # in the signal's unit (bin edges are on scores: minus the confidence)
     signal = choices[0].stats.signal if choices else "entropy"
-    sign = -1.0 if signal == "confidence" else 1.0
+    sign = score_sign(signal)
     extra: dict[str, tuple[tuple[Path_, ...], Candidate]] = {}
     bin_ids: list[str] = []
     no_draft = False

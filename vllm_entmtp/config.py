@@ -51,11 +51,12 @@ class EntMTPConfig(BaseModel):
         description="How a request's tree is chosen each step. 'static': every request drafts the same tree "
                     "(tree_id, tree, or chains). 'entropy': thresholds on the EMA of the target's next-token "
                     "entropy pick a tree of tree_set (low entropy -> larger tree). 'confidence': thresholds on "
-                    "the heads' path confidence (product of their top-1 probabilities) do. The thresholds come "
-                    "from the tree set's 'schedule' (docs/trees.md) or, without one, a ladder of its trees by "
-                    "size. 'auto': 'static' when a fixed draft is asked for (tree, tree_id, "
-                    "num_speculative_tokens or draft_confidence_threshold given), else the signal of tree_set's "
-                    "schedule ('entropy' or 'confidence'; default set: 'default'). Needs tree_set if 'entropy' or 'confidence'.")
+                    "the heads' path confidence (product of the top-1 probabilities of the first "
+                    "confidence_heads heads) do. The thresholds come from the tree set's 'schedule' "
+                    "(docs/trees.md) or, without one, a ladder of its trees by size. 'auto': 'static' when a "
+                    "fixed draft is asked for (tree, tree_id, num_speculative_tokens or "
+                    "draft_confidence_threshold given), else the signal of tree_set's schedule ('entropy' or "
+                    "'confidence'; default set: 'default'). Needs tree_set if 'entropy' or 'confidence'.")
     entropy_window: StrictInt = Field(
         default=16, ge=1,
         description="Window W of the per-request bias-corrected EMA of the entropy (beta = 1 - 1/W), the "

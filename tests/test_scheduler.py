@@ -240,3 +240,17 @@ def test_a_schedule_ending_in_none_drafts_nothing_there_and_none_is_reserved(tmp
         load_tree_set(write(["none", "a", "b"]))
     with pytest.raises(TreeSetError, match="a tree is named 'none'"):
         load_tree_set(write(["a", "none"], names=("a", "none")))
+
+
+def test_calibration_mismatches_name_the_options_that_differ():
+    from vllm_entmtp.config import EntMTPConfig
+    from vllm_entmtp.scheduler import calibration_mismatches
+    from vllm_entmtp.trees import load_tree_set
+
+    ts = load_tree_set("default")  # built on the confidence signal: window 1, one head
+    assert calibration_mismatches(ts, EntMTPConfig(policy="confidence", tree_set="default")) == []
+    off = calibration_mismatches(ts, EntMTPConfig(policy="confidence", tree_set="default", confidence_heads=2,
+                                                  confidence_window=4))
+    assert off == ["confidence_window=4 (the set was calibrated with 1)",
+                   "confidence_heads=2 (the set was calibrated with 1)"]
+    assert calibration_mismatches(load_tree_set("ladder"), EntMTPConfig()) == []  # hand-made: no calibration

@@ -306,6 +306,23 @@ class TreeScheduler:
                 f"default={self.default_tree_id!r}, source={self.ladder_source})")
 
 
+def calibration_mismatches(tree_set: TreeSet, options: Any) -> list[str]:
+    """Where the options the server runs with differ from those a ``build-trees`` set was calibrated for (its
+    first tree's ``metadata.calibration``: ``signal_window``, ``confidence_heads``): the thresholds then apply to
+    a signal of another shape. Empty for sets without that metadata, for another signal, or when they agree.
+    """
+    cal = tree_set.metadata.get(tree_set.ids[0], {}).get("calibration", {}) if tree_set.ids else {}
+    signal = cal.get("signal")
+    if signal is None or tree_set.schedule is None or signal != tree_set.schedule.signal:
+        return []
+    runs = {"signal_window": getattr(options, f"{signal}_window", None)}
+    if signal == "confidence":
+        runs["confidence_heads"] = getattr(options, "confidence_heads", None)
+    option = {"signal_window": f"{signal}_window", "confidence_heads": "confidence_heads"}
+    return [f"{option[k]}={v} (the set was calibrated with {cal[k]})" for k, v in runs.items()
+            if k in cal and v is not None and v != cal[k]]
+
+
 def fallback_thresholds(num_trees: int, signal: str = "entropy",
                         entropy_range: tuple[float, float] = DEFAULT_ENTROPY_RANGE) -> list[float]:
     """``num_trees - 1`` evenly spaced thresholds: increasing over ``entropy_range`` (nats) for ``"entropy"``,

@@ -105,7 +105,7 @@ def _make_proposer_class():
             self.scheduler = self.tracker = None
             if spec.entmtp.policy != "static":
                 from vllm_entmtp.entropy import EntropyTracker
-                from vllm_entmtp.scheduler import TreeScheduler
+                from vllm_entmtp.scheduler import TreeScheduler, calibration_mismatches
                 from vllm_entmtp.trees import load_tree_set
 
                 tree_set = load_tree_set(spec.entmtp_tree_set_path, num_heads=heads.num_heads)
@@ -114,6 +114,11 @@ def _make_proposer_class():
                     logger.warning("entmtp: tree set %s was built for %s heads, these are %s heads: its trees and "
                                    "thresholds are not tuned for them (vllm-entmtp build-trees makes a set for "
                                    "them)", tree_set.source, tree_set.heads_kind, kind)
+                off = calibration_mismatches(tree_set, spec.entmtp)
+                if off:
+                    logger.warning("entmtp: tree set %s: %s; its thresholds are for the calibrated signal "
+                                   "(rebuild it with vllm-entmtp build-trees for these options)", tree_set.source,
+                                   "; ".join(off))
                 self.scheduler = TreeScheduler.from_config(spec.entmtp, tree_set)
                 self.tracker = EntropyTracker.from_config(spec.entmtp)
             if (self.static_tree is not None or self.scheduler is not None) \

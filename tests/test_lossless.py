@@ -93,7 +93,13 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     # (per-request override), a third follow the schedule
     from vllm_entmtp.trees import load_tree_set
 
-    ts = load_tree_set("default")
+    # the shipped default set's trees under a schedule of branching trees (the calibrated schedule may pick only
+    # chains, which vLLM verifies itself): the tree engine must verify several trees, and switch between them
+    raw = json.loads(load_tree_set("default").source.read_text())
+    raw["schedule"] = {"signal": "confidence", "thresholds": [0.6, 0.3], "tree_ids": ["b0n6", "b1n4", "b1n2"]}
+    (tmp / "trees.json").write_text(json.dumps(raw))
+    tree_set = str(tmp / "trees.json")
+    ts = load_tree_set(tree_set)
     forced = max((t for t in ts.ids if t not in ts.schedule.tree_ids), key=lambda t: ts.get(t).num_nodes)
     mixed = [[{REQUEST_DRAFT_TOKENS_KEY: 0}, {REQUEST_TREE_KEY: forced}, {}][i % 3] for i in range(len(convs))]
     plain = _run(tmp, "plain", default_model, None,
@@ -101,8 +107,8 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     chain = _run(tmp, "chain", default_model, {"method": "entmtp", "model": shipped_heads["medusa"],
                                                "num_speculative_tokens": 4},
                  [{"name": "c8", "concurrency": 8, "extra_args": caps}], convs)
-    policy = ts.schedule.signal  # the policy the default set is scheduled by (what {"method": "entmtp"} runs)
-    tree = _run(tmp, "tree", default_model, {"method": "entmtp", "tree_set": "default", "policy": policy},
+    policy = ts.schedule.signal
+    tree = _run(tmp, "tree", default_model, {"method": "entmtp", "tree_set": tree_set, "policy": policy},
                 [{"name": "bs1", "concurrency": 1}, {"name": "c4", "concurrency": 4, "extra_args": mixed},
                  {"name": "c16", "concurrency": 16, "extra_args": caps},
                  {"name": "stop", "concurrency": 16, "stop": STOP},
@@ -112,7 +118,7 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     tree["forced"] = forced
     prefix = _run(tmp, "prefix", default_model,
                   {"method": "entmtp", "model": _prefix_heads(shipped_heads["hydra"], default_model, tmp / "prefix"),
-                   "tree_set": "default", "policy": policy},
+                   "tree_set": tree_set, "policy": policy},
                   [{"name": "c4", "concurrency": 4, "prompts": PREFIX_PROMPTS}], convs,
                   engine_args={"enable_chunked_prefill": True, "max_num_batched_tokens": MAX_BATCHED})
     return prompts, plain, {"chain": chain, "tree": tree, "prefix": prefix}

@@ -197,6 +197,25 @@ def test_step_costs_file_and_interpolation(tmp_path):
             C.read_step_costs(f)
 
 
+def test_step_costs_of_several_runs_are_medians_per_key(tmp_path):
+    runs = [{"0": 1.0, "1": 1.15, "2": 1.28, "4t": 1.6}, {"1": 1.03, "2": 1.19}, {"1": 0.99, "2": 1.07},
+            {"1": 1.10, "2": 1.23, "4t": 1.5}]
+    files = []
+    for i, r in enumerate(runs):
+        files.append(tmp_path / f"run{i}.json")
+        files[-1].write_text(json.dumps({"step_cost_by_nodes": r}))
+    both = C.read_step_costs(files)
+    assert both["chain"] == {1: pytest.approx((1.03 + 1.10) / 2), 2: pytest.approx((1.19 + 1.23) / 2)}
+    assert both["tree"] == {4: pytest.approx(1.55)}  # only the runs that measured it
+    assert C.read_step_costs([files[0]]) == C.read_step_costs(files[0]) == {"chain": {1: 1.15, 2: 1.28},
+                                                                            "tree": {4: 1.6}}
+    files[2].write_text(json.dumps({"step_cost_by_nodes": {"1": 0}}))
+    with pytest.raises(ValueError, match=f"--step-costs {files[2]}"):  # the bad file is named
+        C.read_step_costs(files)
+    with pytest.raises(ValueError, match="no file"):
+        C.read_step_costs([])
+
+
 def _choice(index, lo, hi, P, costs):
     stats = C.BinStats(index, lo, hi, 10, (lo + min(hi, 3.0)) / 2, [10] * len(P), P)
     cands = C.candidates_for_bin(stats, [1, 2, 4], len(P))

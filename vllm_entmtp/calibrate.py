@@ -1028,32 +1028,45 @@ def edge_scores(edges: Sequence[float], signal: str) -> list[float]:
     return list(edges)
 
 
-def read_step_costs(path: str | Path) -> dict[str, dict[int, float]]:
-    """Step costs relative to a step without drafting, ``{"chain": {nodes: cost}, "tree": {nodes: cost}}``, from a
-    JSON file with a ``step_cost_by_nodes`` object (``benchmarks/ablation.py`` writes one: costs measured inside
-    the engine; keys ``"N"`` for chains, ``"Nt"`` for trees that need the tree-attention fix,
-    :func:`vllm_entmtp.stats.step_key`). Either table may be empty (:func:`step_cost_of` then uses the other).
+def read_step_costs(paths: str | Path | Sequence[str | Path]) -> dict[str, dict[int, float]]:
+    """Step costs relative to a step without drafting, ``{"chain": {nodes: cost}, "tree": {nodes: cost}}``, from
+    one or more JSON files with a ``step_cost_by_nodes`` object (``benchmarks/ablation.py`` writes one: costs
+    measured inside the engine; keys ``"N"`` for chains, ``"Nt"`` for trees that need the tree-attention fix,
+    :func:`vllm_entmtp.stats.step_key`). With several files (runs), each key's cost is the median over the files
+    that measured it: on this machine one run's costs move by more than a schedule gains (issue 4's ablations:
+    a 1-node draft cost 0.99-1.15 plain steps from run to run). Either table may be empty (:func:`step_cost_of`
+    then uses the other).
 
     Raises:
         ValueError: unreadable file, no such object, a bad key, or a cost that is not a finite number > 0 per
-            node count >= 1.
+            node count >= 1 (the message names the file).
     """
     from vllm_entmtp.stats import parse_step_key
 
-    out: dict[str, dict[int, float]] = {"chain": {}, "tree": {}}
-    try:
-        raw = json.loads(Path(path).read_text())["step_cost_by_nodes"]
-        for k, c in raw.items():
-            n, tree = parse_step_key(str(k))
-            out["tree" if tree else "chain"][n] = float(c)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"--step-costs {path}: expected JSON with \"step_cost_by_nodes\": {{\"N\" or \"Nt\": "
-                         f"cost}} ({type(e).__name__}: {e})") from None
-    out["chain"].pop(0, None)
-    costs = [(n, c) for t in out.values() for n, c in t.items()]
-    if not costs or any(n < 1 or not math.isfinite(c) or c <= 0 for n, c in costs):
-        raise ValueError(f"--step-costs {path}: costs must be finite numbers > 0 for node counts >= 1, got {raw}")
-    return {kind: dict(sorted(t.items())) for kind, t in out.items()}
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    if not paths:
+        raise ValueError("--step-costs: no file given")
+    seen: dict[str, dict[int, list[float]]] = {"chain": {}, "tree": {}}
+    for path in paths:
+        out: dict[str, dict[int, float]] = {"chain": {}, "tree": {}}
+        try:
+            raw = json.loads(Path(path).read_text())["step_cost_by_nodes"]
+            for k, c in raw.items():
+                n, tree = parse_step_key(str(k))
+                out["tree" if tree else "chain"][n] = float(c)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"--step-costs {path}: expected JSON with \"step_cost_by_nodes\": {{\"N\" or \"Nt\": "
+                             f"cost}} ({type(e).__name__}: {e})") from None
+        out["chain"].pop(0, None)
+        costs = [(n, c) for t in out.values() for n, c in t.items()]
+        if not costs or any(n < 1 or not math.isfinite(c) or c <= 0 for n, c in costs):
+            raise ValueError(f"--step-costs {path}: costs must be finite numbers > 0 for node counts >= 1, "
+                             f"got {raw}")
+        for kind, t in out.items():
+            for n, c in t.items():
+                seen[kind].setdefault(n, []).append(c)
+    return {kind: {n: statistics.median(cs) for n, cs in sorted(t.items())} for kind, t in seen.items()}
 
 
 def step_cost_of(costs: dict[str, dict[int, float]], paths: Sequence[Sequence[int]]) -> float:
@@ -1135,9 +1148,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hysteresis", type=_positive(float, 0.0), default=None,
                    help="hysteresis (the signal's unit) written into the schedule (default: none, the scheduler's "
                         "own)")
-    p.add_argument("--step-costs", default=None, metavar="JSON",
-                   help="step costs measured inside vLLM (\"step_cost_by_nodes\" of a benchmarks/ablation.py "
-                        "result), used instead of timing a transformers forward and the drafter here")
+    p.add_argument("--step-costs", default=None, nargs="+", metavar="JSON",
+                   help="step costs measured inside vLLM (\"step_cost_by_nodes\" of benchmarks/ablation.py "
+                        "results), used instead of timing a transformers forward and the drafter here; with "
+                        "several files (runs), each cost is the median over the files that measured it")
     p.add_argument("--cost-context", type=_positive(int), default=256,
                    help="KV-cache tokens before the timed verification forwards (default: %(default)s)")
     p.add_argument("--cost-repeats", type=_positive(int), default=7,
@@ -1239,7 +1253,8 @@ def _run(args: argparse.Namespace) -> int:
     # 3. cost: verification by node count, drafting by tree (or both, measured in vLLM, by node count)
     sizes = sorted({0} | {c.num_nodes for cs in cands.values() for c in cs})
     if step_costs:
-        _log(f"step costs measured in vLLM ({args.step_costs}): " + "; ".join(
+        files = ", ".join(args.step_costs)
+        _log(f"step costs measured in vLLM ({files}; median per key over the files): " + "; ".join(
             f"{kind} " + ", ".join(f"{n}: {c:.3f}" for n, c in t.items()) for kind, t in step_costs.items() if t))
     _log(f"timing verification of {', '.join(map(str, sizes))} draft nodes over a {args.cost_context}-token "
          f"context ({args.cost_repeats} runs each, {torch.get_num_threads()} thread(s))")
@@ -1284,7 +1299,8 @@ def _run(args: argparse.Namespace) -> int:
                        "tracker's EMA updated once per generated token (the engine updates once per step)",
     }
     if args.step_costs:
-        calibration["cost"]["step_costs"] = {"file": str(args.step_costs),
+        calibration["cost"]["step_costs"] = {"files": [display_path(f) for f in args.step_costs],
+                                             "combined": "median per key over the files that measured it",
                                              "step_cost_by_nodes": {
                                                  (f"{n}t" if kind == "tree" else str(n)): c
                                                  for kind, t in step_costs.items() for n, c in t.items()},

@@ -844,6 +844,10 @@ def print_methods(available: dict[str, Method], skipped: dict[str, str]) -> None
             print(f"{name:18} skipped: {skipped[name]}")
 
 
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -867,6 +871,9 @@ def main(argv: list[str] | None = None) -> int:
            "command": shlex.join(["python", "benchmarks/compare.py", *argv]), "machine": machine_description(),
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "settings": s.as_json(), "runs": []}
     code = 0
+    # `kill` (SIGTERM) stops the run like Ctrl-C does: the running server is stopped (it runs in a session of
+    # its own, so no signal sent to this process reaches it) and the partial results are written
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         for repeat in range(s.repeats):
             for position, method in enumerate(interleaved_order(s.methods, repeat)):

@@ -7,6 +7,7 @@ import socket
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -348,6 +349,44 @@ def test_server_starts_waits_for_health_and_stops_its_group(tmp_path):
     assert cp.group_members(pgid) == []  # the child of the group is gone too
     assert "listening" in (tmp_path / "logs" / "s.log").read_text()
 
+
+def test_sigterm_stops_the_running_server(tmp_path):
+    """`kill <compare.py>` stops its server too: the server runs in a session of its own, so only compare's
+    SIGTERM handler (KeyboardInterrupt, then the Server's exit) can stop it."""
+    import os
+    import signal
+    import subprocess
+
+    port = free_port()
+    (tmp_path / "srv.py").write_text(HEALTH_SERVER)
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(f"""
+        import signal, sys, time
+        sys.path.insert(0, {str(Path(cp.__file__).parent)!r})
+        import compare as cp
+        signal.signal(signal.SIGTERM, cp._interrupt)  # what compare.main installs
+        try:
+            cmd = [sys.executable, {str(tmp_path / "srv.py")!r}, "{port}"]
+            with cp.Server(cmd, cp.Path({str(tmp_path / "s.log")!r}), {port}, 30, "fake") as server:
+                print(server.proc.pid, flush=True)
+                time.sleep(60)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+    """))
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
+    pgid = int(proc.stdout.readline())
+    try:
+        assert cp.port_in_use(port) and len(cp.group_members(pgid)) == 2
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.stdout.read().strip() == "interrupted"
+        assert proc.wait(timeout=90) == 0
+        assert cp.group_members(pgid) == [] and not cp.port_in_use(port)
+    finally:  # a failed run leaves nothing behind
+        proc.kill()
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 def test_server_that_dies_reports_its_log_tail(tmp_path):
     port = free_port()

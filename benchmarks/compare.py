@@ -340,6 +340,22 @@ def group_members(pgid: int) -> list[int]:
     return pids
 
 
+def peak_rss_mib(pids: list[int]) -> float | None:
+    """Sum over ``pids`` of each process's peak resident set (``VmHWM`` in ``/proc/<pid>/status``), MiB; None when
+    none can be read. The processes may peak at different times, so this bounds the group's peak from above."""
+    total, seen = 0, False
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1])  # kB
+                    seen = True
+                    break
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1024 if seen else None
+
+
 #: Environment variables of the server's processes that decide how the CPU runs the model, recorded per run.
 RUNTIME_ENV = ("LD_PRELOAD", "OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU",
                "VLLM_CPU_KVCACHE_SPACE")
@@ -441,6 +457,11 @@ class Server:
         [...]}``."""
         return {"env": process_env(group_members(self.proc.pid)), "omp_binding": omp_binding(self.log)}
 
+    def peak_rss_mib(self) -> float | None:
+        """Peak resident memory of the server so far (API server, engine core, workers: its process group), MiB;
+        :func:`peak_rss_mib`."""
+        return peak_rss_mib(group_members(self.proc.pid))
+
     def _wait_group(self, timeout: float) -> bool:
         """Waits up to ``timeout`` s for every live (not zombie) process of the server's group to exit."""
         deadline = time.monotonic() + timeout
@@ -505,7 +526,7 @@ def run_method(s: Settings, method: Method, model: str, vllm: str, repeat: int, 
             result = asyncio.run(tp.run_benchmark(cfg, prompts))
             rec = {"method": method.name, "speculative_config": method.spec, "task": task, "repeat": repeat,
                    "position": position, "server_startup_s": server.startup_s, "server_log": str(log),
-                   "server_runtime": runtime,
+                   "server_runtime": runtime, "server_peak_rss_mib": server.peak_rss_mib(),
                    "wall_s": time.monotonic() - t0, **result}
             raw = s.out / "raw" / f"r{repeat}-{method.name}-{task}.json"
             raw.parent.mkdir(parents=True, exist_ok=True)
@@ -601,6 +622,72 @@ def aggregate(runs: list[dict]) -> list[dict]:
     return rows
 
 
+#: Issue 6's targets for ``{"method": "entmtp"}`` (the method ``entmtp``), read against a run as it came out (never
+#: tuned for): output tokens/s over plain decoding at concurrency 1, per task.
+SPEEDUP_TARGETS = {"humaneval": 2.0, "gsm8k": 2.0, "sharegpt": 1.5, "creative": 1.5}
+VS_BASELINE_TARGETS = {"ngram": 1.6, "vllm-medusa": 1.36}  # on at least one task, concurrency 1
+VS_HYDRA_TARGET = 1.15  # over hydra-tree, mean of the four tasks' ratios, concurrency 1
+LOAD_CONCURRENCY = 16  # never below plain decoding at this concurrency
+MEMORY_TARGET = 1.10  # peak server memory over plain's
+
+
+def peak_memory(runs: list[dict]) -> dict[str, float]:
+    """Per method, the largest ``server_peak_rss_mib`` over its runs (MiB); methods without a reading left out."""
+    out: dict[str, float] = {}
+    for run in runs:
+        v = run.get("server_peak_rss_mib")
+        if v is not None:
+            out[run["method"]] = max(out.get(run["method"], 0.0), float(v))
+    return out
+
+
+def targets(doc: dict, method: str = "entmtp") -> list[dict]:
+    """Issue 6's targets read against this run: one ``{"target", "needed", "measured", "met"}`` per target, ``met``
+    None where the run lacks what the target needs (a method, task or concurrency level it did not run)."""
+    rows = {(r["method"], r["task"], r["concurrency"]): r for r in doc["aggregate"]}
+
+    def ratio(task, conc, base):
+        r = rows.get((method, task, conc))
+        st = r and r["ratios"].get(base)
+        return st["mean"] if st else None
+
+    def verdict(ok, have):
+        return bool(ok) if have else None
+
+    out = []
+    for task, need in SPEEDUP_TARGETS.items():
+        v = ratio(task, 1, "plain")
+        out.append({"target": f"{method} / plain, {task}, concurrency 1", "needed": f">= {need:.2f}x",
+                    "measured": "-" if v is None else f"{v:.2f}x", "met": verdict(v is not None and v >= need,
+                                                                                   v is not None)})
+    for base, need in VS_BASELINE_TARGETS.items():
+        got = {t: ratio(t, 1, base) for t in SPEEDUP_TARGETS}
+        got = {t: v for t, v in got.items() if v is not None}
+        best = max(got.items(), key=lambda kv: kv[1]) if got else None
+        out.append({"target": f"{method} / {base}, best task, concurrency 1", "needed": f">= {need:.2f}x on one task",
+                    "measured": "-" if best is None else f"{best[1]:.2f}x ({best[0]}); "
+                    + ", ".join(f"{t} {v:.2f}x" for t, v in got.items()),
+                    "met": verdict(best is not None and best[1] >= need, best is not None)})
+    got = [ratio(t, 1, "hydra-tree") for t in SPEEDUP_TARGETS]
+    have = all(v is not None for v in got)
+    mean = sum(got) / len(got) if have else None
+    out.append({"target": f"{method} / hydra-tree, mean of the four tasks, concurrency 1",
+                "needed": f">= {VS_HYDRA_TARGET:.2f}x", "measured": "-" if mean is None else f"{mean:.2f}x",
+                "met": verdict(have and mean >= VS_HYDRA_TARGET, have)})
+    got = {t: ratio(t, LOAD_CONCURRENCY, "plain") for t in SPEEDUP_TARGETS}
+    have = all(v is not None for v in got.values())
+    out.append({"target": f"{method} / plain, every task, concurrency {LOAD_CONCURRENCY}", "needed": ">= 1.00x",
+                "measured": "-" if not have else ", ".join(f"{t} {v:.2f}x" for t, v in got.items()),
+                "met": verdict(have and min(got.values()) >= 1.0, have)})
+    mem = peak_memory(doc["runs"])
+    have = method in mem and "plain" in mem
+    out.append({"target": f"{method} peak server memory / plain's", "needed": f"<= {MEMORY_TARGET:.2f}x",
+                "measured": "-" if not have else f"{mem[method] / mem['plain']:.3f}x ({mem[method]:.0f} / "
+                f"{mem['plain']:.0f} MiB)", "met": verdict(have and mem[method] <= MEMORY_TARGET * mem["plain"],
+                                                           have)})
+    return out
+
+
 # ------------------------------------------------------------------------------------------ report
 def fmt_stat(st: dict | None, spec: str, suffix: str = "") -> str:
     """``mean`` alone for one value, else ``mean [min-max]``; ``-`` for None."""
@@ -669,16 +756,29 @@ def render_report(doc: dict) -> str:
     if s.get("enforce_eager"):
         out += ["", "The servers ran with `--enforce-eager` (no torch.compile): faster start-up, but every "
                 "method's speed differs from a compiled server's."]
-    out += ["", "## Methods", "", "| method | --speculative-config | what | server start-up (s) |", "|---|---|---|---|"]
+    out += ["", "## Methods", "", "| method | --speculative-config | what | server start-up (s) | peak memory (MiB) |",
+            "|---|---|---|---|---:|"]
+    mem = peak_memory(doc["runs"])
     startup: dict[str, list] = {}
     for run in doc["runs"]:
         startup.setdefault(run["method"], {})[run["repeat"]] = run.get("server_startup_s")
     for name, info in s["methods"].items():
         spec = json.dumps(info["speculative_config"]) if info["speculative_config"] else "(none)"
         up = stat(list(startup.get(name, {}).values()))
-        out.append(f"| {name} | `{spec}` | {info['note']} | {fmt_stat(up, '.0f')} |")
+        peak = f"{mem[name]:.0f}" if name in mem else "-"
+        out.append(f"| {name} | `{spec}` | {info['note']} | {fmt_stat(up, '.0f')} | {peak} |")
     if s["skipped"]:
         out += ["", "Not run:"] + [f"- {k}: {v}" for k, v in s["skipped"].items()]
+    out += ["", "Peak memory: the sum of the server processes' peak resident sets (`VmHWM`: API server, engine "
+            "core, workers), read after each task; the KV cache is the same size for every method "
+            "(`VLLM_CPU_KVCACHE_SPACE`)."]
+    goals = doc.get("targets") or []
+    if goals:
+        out += ["", "## Targets", "", "Issue 6's targets for `{\"method\": \"entmtp\"}` (the method `entmtp`), read "
+                "against this run; `-`: the run lacks a method, task or level the target needs.", "",
+                "| target | needed | measured | met |", "|---|---|---|---|"]
+        out += [f"| {g['target']} | {g['needed']} | {g['measured']} | "
+                f"{'-' if g['met'] is None else ('yes' if g['met'] else 'no')} |" for g in goals]
     out += ["", "Columns: output tokens/s over the level; `vs X`: that divided by method X's (same task, "
             "concurrency and repeat); MAL: mean acceptance length including the bonus token (1 + accepted / "
             "drafts; 1.00 = no draft token accepted); TPOT: median time per output token after the first."]
@@ -802,6 +902,7 @@ def make_plots(doc: dict, out_dir: Path) -> list[str]:
 
 def write_outputs(doc: dict, out_dir: Path) -> None:
     doc["aggregate"] = aggregate(doc["runs"])
+    doc["targets"] = targets(doc)
     try:
         doc["plots"] = make_plots(doc, out_dir) if doc["runs"] else []
     except Exception as e:  # a plot must not cost the numbers

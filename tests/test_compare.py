@@ -291,6 +291,70 @@ def test_render_report():
     assert "Incomplete" not in md and "## Errors" not in md
 
 
+
+def target_runs(entmtp_c1: dict, entmtp_c16: float, mem: dict):
+    """One repeat over the four tasks: plain 10 tok/s (c1) and 40 (c16); ngram 12.5, vllm-medusa 14, hydra-tree
+    16 (c1); entmtp as given; peak memory per method (MiB) as given."""
+    runs = []
+    for task in cp.TASKS:
+        for name, c1, c16 in (("plain", 10.0, 40.0), ("ngram", 12.5, 40.0), ("vllm-medusa", 14.0, 40.0),
+                              ("hydra-tree", 16.0, 40.0), ("entmtp", entmtp_c1[task], entmtp_c16)):
+            r = run(name, task, 0, [level(1, c1, drafts=None), level(16, c16, drafts=None)])
+            r["server_peak_rss_mib"] = mem.get(name)
+            runs.append(r)
+    return runs
+
+
+def test_targets_read_against_a_run():
+    fast = {"humaneval": 21.0, "gsm8k": 20.0, "sharegpt": 15.0, "creative": 14.0}
+    doc = hand_doc(target_runs(fast, 40.0, {"plain": 1000.0, "entmtp": 1100.0}))
+    doc["aggregate"] = cp.aggregate(doc["runs"])
+    got = {g["target"]: g for g in cp.targets(doc)}
+    assert [got[f"entmtp / plain, {t}, concurrency 1"]["met"] for t in cp.TASKS] == [True, True, True, False]
+    assert got["entmtp / plain, creative, concurrency 1"]["measured"] == "1.40x"
+    ngram = got["entmtp / ngram, best task, concurrency 1"]
+    assert ngram["met"] and ngram["measured"].startswith("1.68x (humaneval); ")  # 21 / 12.5
+    medusa = got["entmtp / vllm-medusa, best task, concurrency 1"]
+    assert medusa["met"] and medusa["measured"].startswith("1.50x (humaneval)")
+    hydra = got["entmtp / hydra-tree, mean of the four tasks, concurrency 1"]
+    assert hydra["measured"] == f"{(21 + 20 + 15 + 14) / 4 / 16:.2f}x" and hydra["met"] is False
+    assert got["entmtp / plain, every task, concurrency 16"]["met"] is True  # equal to plain is not below it
+    mem = got["entmtp peak server memory / plain's"]
+    assert mem["met"] is True and mem["measured"] == "1.100x (1100 / 1000 MiB)"
+
+    slow = dict(fast, gsm8k=9.0)
+    doc = hand_doc(target_runs(slow, 39.0, {"plain": 1000.0, "entmtp": 1101.0}))
+    doc["aggregate"] = cp.aggregate(doc["runs"])
+    got = {g["target"]: g for g in cp.targets(doc)}
+    assert got["entmtp / plain, gsm8k, concurrency 1"]["met"] is False
+    assert got["entmtp / plain, every task, concurrency 16"]["met"] is False
+    assert got["entmtp peak server memory / plain's"]["met"] is False
+
+    # what the run lacks is not judged: no c16 level, no hydra-tree, no memory readings
+    runs = [r for r in target_runs(fast, 40.0, {}) if r["method"] != "hydra-tree"]
+    for r in runs:
+        r["levels"] = r["levels"][:1]
+    doc = hand_doc(runs)
+    doc["aggregate"] = cp.aggregate(doc["runs"])
+    got = {g["target"]: g for g in cp.targets(doc)}
+    assert got["entmtp / hydra-tree, mean of the four tasks, concurrency 1"]["met"] is None
+    assert got["entmtp / plain, every task, concurrency 16"]["met"] is None
+    assert got["entmtp peak server memory / plain's"]["met"] is None
+    assert got["entmtp / plain, humaneval, concurrency 1"]["met"] is True
+    doc["targets"] = cp.targets(doc)
+    md = cp.render_report(doc)
+    assert "| entmtp / plain, humaneval, concurrency 1 | >= 2.00x | 2.10x | yes |" in md
+    assert "| entmtp / hydra-tree, mean of the four tasks, concurrency 1 | >= 1.15x | - | - |" in md
+
+
+def test_peak_rss_of_processes():
+    import os
+
+    mine = cp.peak_rss_mib([os.getpid()])
+    assert mine is not None and mine > 10  # this pytest process holds torch
+    assert cp.peak_rss_mib([os.getpid(), os.getpid()]) == pytest.approx(2 * mine, rel=0.01)
+    assert cp.peak_rss_mib([2 ** 22 + 7]) is None  # no such process
+
 def test_render_report_single_repeat_incomplete_and_errors():
     runs = [r for r in hand_runs() if r["repeat"] == 0]
     runs[0]["levels"][1] = level(4, 30.0, drafts=None, failed=1, errors=["HTTP 500: boom"])

@@ -11,6 +11,8 @@ import sys
 # name -> (module, one-line help)
 COMMANDS = {
     "prepare": ("vllm_entmtp.prepare", "make the default target model and its heads ready offline; print paths"),
+    "self-distill": ("vllm_entmtp.training.selfgen", "generate the target's own greedy replies to train-split "
+                     "prompts, for train-heads --generated"),
     "train-heads": ("vllm_entmtp.training.train", "train MTP heads for a target model (self-distillation)"),
     "convert-heads": ("vllm_entmtp.heads.convert", "convert MTP heads between checkpoint layouts"),
     "build-trees": ("vllm_entmtp.calibrate", "measure head accuracy per entropy bin and build a scheduled tree set"),

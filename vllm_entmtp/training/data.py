@@ -85,13 +85,38 @@ def render(tok, messages: list[dict], max_len: int) -> tuple[list[int], int, lis
     return ids, start, ranges
 
 
-def build_plan(tok, positions: int, mix: dict[str, float], max_len: int, seed: int,
-               num_label_heads: int = 5) -> list[PlannedSeq]:
-    """Pick documents per source (seeded shuffle of the train split) until each source has
-    ``positions * mix[source]`` labelled positions."""
-    from vllm_entmtp.datasets import training_conversations
+def training_docs(sources: list[str], generated: str | Path | None = None) -> dict[str, list]:
+    """Documents per training source: dataset text (``sharegpt``, ``gsm8k``, ``code``:
+    ``vllm_entmtp.datasets.training_conversations``) and the target's own replies (``<source>-gen``, from the
+    ``vllm-entmtp self-distill`` folder ``generated``: :func:`vllm_entmtp.training.selfgen.read_generated`).
 
-    docs = training_conversations(sources=tuple(s for s, f in mix.items() if f > 0))
+    Raises:
+        ValueError: an unknown source, or a ``-gen`` source without ``generated``.
+        FileNotFoundError: ``generated`` lacks a requested source's replies.
+    """
+    from vllm_entmtp.datasets import training_conversations
+    from vllm_entmtp.training.selfgen import GEN_SUFFIX, SOURCES, read_generated
+
+    gen = [s for s in sources if s.endswith(GEN_SUFFIX)]
+    text = [s for s in sources if not s.endswith(GEN_SUFFIX)]
+    bad = [s for s in gen if s[:-len(GEN_SUFFIX)] not in SOURCES]
+    if bad:
+        raise ValueError(f"unknown training sources {bad}; self-distilled ones are "
+                         f"{', '.join(s + GEN_SUFFIX for s in SOURCES)}")
+    if gen and generated is None:
+        raise ValueError(f"sources {gen} are the target's own replies: pass --generated DIR (the folder of "
+                         f"`vllm-entmtp self-distill --out DIR`)")
+    docs = training_conversations(sources=tuple(text)) if text else {}
+    for s in gen:
+        docs[s] = read_generated(generated, s[:-len(GEN_SUFFIX)])
+    return docs
+
+
+def build_plan(tok, positions: int, mix: dict[str, float], max_len: int, seed: int,
+               num_label_heads: int = 5, generated: str | Path | None = None) -> list[PlannedSeq]:
+    """Pick documents per source (seeded shuffle of the train split) until each source has
+    ``positions * mix[source]`` labelled positions (:func:`training_docs`)."""
+    docs = training_docs([s for s, f in mix.items() if f > 0], generated)
     plan: list[PlannedSeq] = []
     for source, frac in mix.items():
         if frac <= 0:
@@ -114,13 +139,13 @@ def build_plan(tok, positions: int, mix: dict[str, float], max_len: int, seed: i
 
 
 def load_or_build_plan(data_dir: Path, tok, positions: int, mix: dict[str, float], max_len: int, seed: int,
-                       log=print) -> list[PlannedSeq]:
+                       log=print, generated: str | Path | None = None) -> list[PlannedSeq]:
     path = data_dir / PLAN_NAME
     if path.is_file():
         raw = json.loads(path.read_text())
         return [PlannedSeq(**s) for s in raw["seqs"]]
     t0 = time.time()
-    plan = build_plan(tok, positions, mix, max_len, seed)
+    plan = build_plan(tok, positions, mix, max_len, seed, generated=generated)
     data_dir.mkdir(parents=True, exist_ok=True)
     _atomic_write(path, lambda p: p.write_text(json.dumps({"seqs": [s.__dict__ for s in plan]})))
     log(f"data plan: {len(plan)} sequences, {sum(len(s.ids) for s in plan):,} tokens "

@@ -117,7 +117,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="train on self-distillation data recorded from vLLM generations in this folder "
                         "(python -m vllm_entmtp.training.record) instead of the text cache")
     p.add_argument("--mix", type=_parse_mix, default=dict(D.DEFAULT_MIX),
-                   help="share of positions per source (default: sharegpt=0.7,gsm8k=0.15,code=0.15)")
+                   help="share of positions per source: sharegpt, gsm8k, code (dataset text) and sharegpt-gen, "
+                        "gsm8k-gen, code-gen (the target's own replies, from --generated) (default: "
+                        "sharegpt=0.7,gsm8k=0.15,code=0.15)")
+    p.add_argument("--generated", default=None, metavar="DIR",
+                   help="folder of the target's own replies (vllm-entmtp self-distill --out DIR), for the "
+                        "*-gen sources of --mix")
     p.add_argument("--max-len", type=int, default=512, help="tokens per sequence (default: %(default)s)")
     p.add_argument("--heldout-percent", type=float, default=3.0,
                    help="sequences held out for evaluation (default: %(default)s)")
@@ -178,6 +183,8 @@ def prepare_data(args, model_dir: str, log=_log) -> tuple[D.CachedData, dict]:
     data_dir = Path(args.work_dir) / "data"
     cfg = {"model": str(model_dir), "positions": args.positions, "mix": args.mix, "max_len": args.max_len,
            "seed": args.seed}
+    if getattr(args, "generated", None):  # only then: work dirs of text-only data keep their config
+        cfg["generated"] = str(Path(args.generated).resolve())
     cfg_file = data_dir / "data_config.json"
     if cfg_file.is_file():
         old = json.loads(cfg_file.read_text())
@@ -186,7 +193,8 @@ def prepare_data(args, model_dir: str, log=_log) -> tuple[D.CachedData, dict]:
     data_dir.mkdir(parents=True, exist_ok=True)
     cfg_file.write_text(json.dumps(cfg, indent=2))
     tok, model = _load_target(model_dir)
-    plan = D.load_or_build_plan(data_dir, tok, args.positions, args.mix, args.max_len, args.seed, log=log)
+    plan = D.load_or_build_plan(data_dir, tok, args.positions, args.mix, args.max_len, args.seed, log=log,
+                                generated=getattr(args, "generated", None))
     n_shards = len(D.shard_ranges(plan, args.shard_tokens))
     if args.shards is not None:
         plan = plan[:D.shard_ranges(plan, args.shard_tokens)[min(args.shards, n_shards) - 1][1]]

@@ -8,7 +8,9 @@ One vLLM engine runs ``{"method": "entmtp", "tree_set": SET, "policy": SIGNAL}``
 schedule: ``entropy`` or ``confidence``); the variants differ only in
 each request's ``extra_args``: ``entmtp_num_draft_tokens: 0`` (no drafting), ``entmtp_tree_id: ID`` (that tree
 every step, the schedule ignored) or nothing (the schedule). Every variant is a phase that sends the same
-prompts one request at a time; with ``--repeats`` the phases are rotated each round (interleaved), and
+prompts one request at a time (``--concurrency N``: N requests in flight, so the load cap
+``max_verify_tokens_per_step`` and batched verification come into play); with ``--repeats`` the phases are
+rotated each round (interleaved), and
 tokens/s are summed over the rounds. Same engine, same process, same prompts: the ratios are fair ones.
 
 Per variant: output tokens/s and its ratio to no drafting and to the best static tree, mean acceptance length
@@ -110,6 +112,15 @@ def per_round(result: dict, name: str) -> list[float]:
     return [ph["output_tokens"] / ph["seconds"] for ph in result["phases"] if ph["variant"] == name and ph["seconds"]]
 
 
+def load_text(result: dict) -> str:
+    """How the result's phases loaded the engine: one request at a time, or N in flight (and the load cap)."""
+    n = result.get("concurrency", 1)  # results written before --concurrency ran one at a time
+    if n == 1:
+        return "one request at a time"
+    cap = result.get("max_verify_tokens_per_step")
+    return f"{n} requests in flight" + (f", max_verify_tokens_per_step {cap}" if cap else "")
+
+
 def markdown_report(results: list[dict], max_loss: float = 0.02) -> str:
     """A markdown report of several ablation results (one per task): a table per task, then the verdict on the
     scheduler's bar (beats every static tree of its set on at least two tasks; never more than ``max_loss``
@@ -119,7 +130,7 @@ def markdown_report(results: list[dict], max_loss: float = 0.02) -> str:
         v, best = r["variants"], r["best_static"]
         out += [f"### {r['prompt_set']} (tree set `{Path(r['tree_set']).stem}`)", "",
                 f"{r['num_prompts']} prompts x {r['max_tokens']} tokens, {r['repeats']} rounds, {r['dtype']}, one "
-                "engine, one request at a time.", "",
+                f"engine, {load_text(r)}.", "",
                 "| variant | tokens/s | per round | vs no drafting | vs best static | MAL (bonus incl.) | choice shares |",
                 "|---|---:|---|---:|---:|---:|---|"]
         for name, o in v.items():
@@ -165,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prompt-chars", type=int, default=1500,
                     help="skip prompts whose text is this long or longer (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds, phases rotated each round (default 1)")
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="requests in flight per phase (default 1: one at a time)")
+    ap.add_argument("--max-verify-tokens-per-step", type=int, default=None,
+                    help="the engine's load cap (the option of the same name; default: the option's default)")
     ap.add_argument("--all-trees", action="store_true",
                     help="every tree of the set statically, not only the schedule's")
     ap.add_argument("--policy", choices=("entropy", "confidence"), default=None,
@@ -188,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.tree_set is None:
         ap.error("--tree-set is required (or --report FILES)")
-    if args.repeats < 1 or args.num_prompts < 1 or args.max_tokens < 1:
-        ap.error("--repeats, --num-prompts and --max-tokens must be >= 1")
+    if min(args.repeats, args.num_prompts, args.max_tokens, args.concurrency) < 1:
+        ap.error("--repeats, --num-prompts, --max-tokens and --concurrency must be >= 1")
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm_entmtp.datasets import load_prompts
@@ -216,9 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[STEP_TIMES_ENV] = "1"  # the engine times its steps by draft nodes (StepTimer)
     if args.heads:
         spec["model"] = args.heads
+    if args.max_verify_tokens_per_step is not None:
+        spec["max_verify_tokens_per_step"] = args.max_verify_tokens_per_step
     job = {"model": args.model or str(prepare_default_model()), "speculative_config": spec, "dtype": args.dtype,
-           "max_model_len": 2048, "max_num_seqs": 4, "conversations": convs, "max_tokens": args.max_tokens,
-           "phases": [{"name": f"{r}:{n}", "concurrency": 1,
+           "max_model_len": 2048, "max_num_seqs": max(4, args.concurrency), "conversations": convs,
+           "max_tokens": args.max_tokens,
+           "phases": [{"name": f"{r}:{n}", "concurrency": args.concurrency,
                        "extra_args": [vs[n]] * len(convs) if vs[n] is not None else None} for r, n in order]}
     try:
         raw = run_job(job)
@@ -244,10 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     source = Path(ts.source).resolve()
     shown = source.relative_to(Path.cwd()) if source.is_relative_to(Path.cwd()) else source  # no machine paths
     result = {"tree_set": str(shown), "prompt_set": args.prompt_set, "num_prompts": len(prompts),
-              "max_tokens": args.max_tokens, "repeats": args.repeats, "dtype": args.dtype, "phases": phases,
+              "max_tokens": args.max_tokens, "repeats": args.repeats, "dtype": args.dtype,
+              "concurrency": args.concurrency, "max_verify_tokens_per_step": args.max_verify_tokens_per_step,
+              "phases": phases,
               **summary}
     print(f"{args.prompt_set}: {len(prompts)} prompts x {args.max_tokens} tokens, tree set {ts.name}, "
-          f"{args.repeats} round(s), {args.dtype}, one engine")
+          f"{args.repeats} round(s), {args.dtype}, one engine, concurrency {args.concurrency}")
     print(format_table(summary))
     for key, what in (("entropy_acceptance", "entropy EMA (nats)"), ("confidence_acceptance", "path confidence")):
         corr = summary[key]

@@ -68,6 +68,9 @@ def test_markdown_report_verdict(tmp_path, capsys):
         files[-1].write_text(json.dumps(r))
     assert ab.main(["--report", *map(str, files), "--out", str(tmp_path / "r.md")]) == 0
     assert (tmp_path / "r.md").read_text() == capsys.readouterr().out == ab.markdown_report(good)
+    assert "one engine, one request at a time." in text
+    loaded = dict(good[0], concurrency=16, max_verify_tokens_per_step=24)
+    assert "one engine, 16 requests in flight, max_verify_tokens_per_step 24." in ab.markdown_report([loaded])
 
 
 def test_entropy_acceptance_correlation():

@@ -126,3 +126,27 @@ def test_step_timer_medians_and_costs():
     assert parse_step_key("12t") == (12, True) and parse_step_key("3") == (3, False)
     with pytest.raises(ValueError):
         parse_step_key("x")
+
+
+def test_step_time_speedups_and_their_verdict():
+    """The estimate from median step costs: output tokens over the cost of the steps each variant took."""
+    good = _result("humaneval", {"no-drafting": 8, "tree:a": 9, "scheduled": 8.9})  # the wall clock: behind
+    for ph in good["phases"]:
+        ph["chosen"] = {"no-drafting": {"none": 50}, "tree:a": {"a": 40}, "scheduled": {"a": 20, "b": 10, "none": 5}}[
+            ph["variant"]]
+    good.update(ab.summarize(good["phases"], list(good["variants"])))
+    good["step_cost_by_nodes"] = {"1": 1.1, "2t": 1.3}
+    good["step_keys"] = {"a": "1", "b": "2t"}
+    est = ab.step_time_speedups(good)
+    assert est["no-drafting"] == pytest.approx(1.0)
+    assert est["tree:a"] == pytest.approx(100 / (80 * 1.1))
+    assert est["scheduled"] == pytest.approx(100 / (40 * 1.1 + 20 * 1.3 + 10 * 1.0))
+    text = ab.markdown_report([good])
+    assert f"| {est['scheduled']:.3f} / {est['scheduled'] / est['tree:a']:.3f} |" in text
+    assert "- tokens/s (wall clock): scheduled / best static tree: humaneval 0.989" in text
+    assert f"- step-time estimate (median step costs): scheduled / best static tree: humaneval " \
+           f"{est['scheduled'] / est['tree:a']:.3f}" in text
+    good["step_keys"] = {"a": "1"}  # a tree without a measured cost: no estimate for what drafted it
+    assert set(ab.step_time_speedups(good)) == {"no-drafting", "tree:a"}
+    good["step_cost_by_nodes"] = {}
+    assert ab.step_time_speedups(good) == {}

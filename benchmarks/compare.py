@@ -211,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--startup-timeout", type=float, default=900.0,
                     help="seconds to wait for a server's /health (default 900)")
     ap.add_argument("--list", action="store_true", help="print the available and skipped methods, and exit")
+    ap.add_argument("--render", default=None, metavar="RESULTS_JSON",
+                    help="run nothing: write report.md, headline.md and the plots again from a results.json "
+                         "(into its folder)")
     return ap
 
 
@@ -814,6 +817,38 @@ def render_report(doc: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def render_headline(doc: dict, method: str = "entmtp") -> str:
+    """``headline.md``: ``method``'s speed ratios per task (against plain decoding at each concurrency level, and
+    against each baseline at the lowest level), its mean acceptance length, then the targets table; every number
+    from ``doc`` (``results.json``), as the README quotes it."""
+    s = doc["settings"]
+    rows = {(r["method"], r["task"], r["concurrency"]): r for r in doc["aggregate"]}
+    ran = {r["method"] for r in doc["aggregate"]}
+    bases = [b for b in BASELINES if b in ran]
+    low = min(s["concurrency"])
+    cols = [f"vs plain, c{c}" for c in s["concurrency"]] + [f"vs {b}, c{low}" for b in bases]
+    out = [f"`{method}` (`{json.dumps((s['methods'].get(method) or {}).get('speculative_config'))}`), output "
+           f"tokens/s as a ratio, measured in one run ({doc['date'][:10]}, {doc['machine'].get('cpu_model')}, "
+           f"{doc['machine'].get('usable_cpus')} CPUs; {s['num_requests']} requests of at most {s['max_tokens']} "
+           f"tokens per level, greedy); MAL: mean acceptance length at c{low}, bonus token included.", "",
+           "| task | " + " | ".join(cols) + f" | MAL, c{low} |", "|---|" + "---:|" * (len(cols) + 1)]
+    for task in s["tasks"]:
+        cells = []
+        for c in s["concurrency"]:
+            r = rows.get((method, task, c))
+            cells.append(fmt_stat(r and r["ratios"].get("plain"), ".2f", "x"))
+        r = rows.get((method, task, low))
+        cells += [fmt_stat(r and r["ratios"].get(b), ".2f", "x") for b in bases]
+        cells.append(fmt_stat(r and r["mal"], ".2f"))
+        out.append(f"| {task} | " + " | ".join(cells) + " |")
+    goals = doc.get("targets") or []
+    if goals:
+        out += ["", "| target | needed | measured | met |", "|---|---|---|---|"]
+        out += [f"| {g['target']} | {g['needed']} | {g['measured']} | "
+                f"{'-' if g['met'] is None else ('yes' if g['met'] else 'no')} |" for g in goals]
+    return "\n".join(out) + "\n"
+
+
 def make_plots(doc: dict, out_dir: Path) -> list[str]:
     """``throughput.png`` (output tokens/s vs concurrency per task), ``mal.png`` (MAL per task and method) and
     ``tree_choice.png`` (stacked tree-choice shares of the entmtp methods); returns the file names written."""
@@ -910,6 +945,7 @@ def write_outputs(doc: dict, out_dir: Path) -> None:
         print(f"[compare] plots failed: {type(e).__name__}: {e}", file=sys.stderr)
     (out_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
     (out_dir / "report.md").write_text(render_report(doc))
+    (out_dir / "headline.md").write_text(render_headline(doc))
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -952,6 +988,16 @@ def _interrupt(signum: int, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.render:
+        path = Path(args.render)
+        try:
+            doc = json.loads(path.read_text())
+            write_outputs(doc, path.parent)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: --render {path}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        print(f"[compare] report: {path.parent / 'report.md'}")
+        return 0
     try:
         available, skipped = shipped_method_table()
         if args.list:

@@ -378,6 +378,27 @@ def test_write_outputs(tmp_path):
     for name in saved["plots"]:
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "report.md").read_text() == cp.render_report(saved)
+    assert (tmp_path / "headline.md").read_text() == cp.render_headline(saved)
+    # --render writes the same files again from results.json, running nothing
+    (tmp_path / "report.md").unlink()
+    (tmp_path / "headline.md").write_text("stale")
+    assert cp.main(["--render", str(tmp_path / "results.json")]) == 0
+    assert (tmp_path / "report.md").read_text() == cp.render_report(saved)
+    assert (tmp_path / "headline.md").read_text() == cp.render_headline(saved)
+    assert cp.main(["--render", str(tmp_path / "missing.json")]) == 2
+
+
+def test_headline_quotes_the_results():
+    fast = {"humaneval": 21.0, "gsm8k": 20.0, "sharegpt": 15.0, "creative": 14.0}
+    doc = hand_doc(target_runs(fast, 40.0, {"plain": 1000.0, "entmtp": 1100.0}))
+    doc["settings"]["tasks"], doc["settings"]["concurrency"] = list(cp.TASKS), [1, 16]
+    doc["aggregate"] = cp.aggregate(doc["runs"])
+    doc["targets"] = cp.targets(doc)
+    md = cp.render_headline(doc)
+    assert ("| task | vs plain, c1 | vs plain, c16 | vs ngram, c1 | vs vllm-medusa, c1 | vs hydra-tree, c1 | "
+            "MAL, c1 |") in md
+    assert "| humaneval | 2.10x | 1.00x | 1.68x | 1.50x | 1.31x | - |" in md  # 21/10, 40/40, 21/12.5, 21/14, 21/16
+    assert "| entmtp peak server memory / plain's | <= 1.10x | 1.100x (1100 / 1000 MiB) | yes |" in md
 
 
 # ------------------------------------------------------------------------------------------ server wrapper

@@ -109,12 +109,12 @@ def step_time_speedups(result: dict) -> dict[str, float]:
     the request-steps per tree, ``step_cost_by_nodes`` their median cost, a step that drafts nothing costs 1).
     Medians of hundreds of steps pooled over the rounds do not move with the machine's drift, which moved the
     same variant's tokens/s by up to 25 % between rounds of one run here; tokens/s ratios move with it.
-    Empty when the result has no step costs or its tree set cannot be read; variants that drafted a tree without
-    a measured cost are left out."""
+    Empty when the result has no step costs, ran several requests at a time, or its tree set cannot be read;
+    variants that drafted a tree without a measured cost are left out."""
     costs = result.get("step_cost_by_nodes") or {}
     keys = result.get("step_keys")
-    if not costs:
-        return {}
+    if not costs or result.get("concurrency", 1) > 1:  # the engine times one-request steps only, and with
+        return {}  # several requests in flight the chosen counts are request-steps, not steps
     if keys is None:  # results written before step_keys: the keys from the tree set (its path as recorded)
         from vllm_entmtp.errors import TreeSetError
         from vllm_entmtp.trees import load_tree_set
@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     summary["entropy_acceptance"] = final_stats.get("entropy_acceptance", {})
     summary["confidence_acceptance"] = final_stats.get("confidence_acceptance", {})
     summary["step_ms"] = final_stats.get("step_ms", {})
-    summary["step_cost_by_nodes"] = step_costs_from_times(summary["step_ms"])
+    # the engine times one-request steps only: with several requests in flight, only the phases' tails
+    summary["step_cost_by_nodes"] = step_costs_from_times(summary["step_ms"]) if args.concurrency == 1 else {}
     summary["step_keys"] = tree_step_keys(ts, tree_ids)
     summary["step_cost_by_nodes_from_rates"] = step_cost_from_rates(summary, summary["step_keys"])
     summary["policy"] = policy

@@ -146,6 +146,7 @@ def test_step_time_speedups_and_their_verdict():
     assert "- tokens/s (wall clock): scheduled / best static tree: humaneval 0.989" in text
     assert f"- step-time estimate (median step costs): scheduled / best static tree: humaneval " \
            f"{est['scheduled'] / est['tree:a']:.3f}" in text
+    assert ab.step_time_speedups(dict(good, concurrency=4)) == {}  # steps of a batch are not timed
     good["step_keys"] = {"a": "1"}  # a tree without a measured cost: no estimate for what drafted it
     assert set(ab.step_time_speedups(good)) == {"no-drafting", "tree:a"}
     good["step_cost_by_nodes"] = {}

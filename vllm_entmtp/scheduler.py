@@ -34,8 +34,9 @@ drafts the default tree (``default_tree_id``, else the ladder's bin 0); its firs
 the plain mapping (no hysteresis, as it holds no bin yet).
 
 Load: :func:`node_budget` gives the draft nodes a step may verify: ``max_verify_tokens_per_step`` (default
-:data:`DEFAULT_MAX_VERIFY_TOKENS` = 64, a guess at where verification on this CPU stops being memory-bound, not
-yet measured) minus one root row per request. :meth:`TreeScheduler.choose` then, while the chosen trees'
+:data:`DEFAULT_MAX_VERIFY_TOKENS` = 64, a guess at where verification on this CPU stops paying; with 16 requests
+of at most 2 draft tokens, 48 rows, drafting still gained 25-38 % here: ``benchmarks/results/load-2026-11-30/``)
+minus one root row per request. :meth:`TreeScheduler.choose` then, while the chosen trees'
 nodes exceed the budget, steps the request with the largest tree one bin down (a tie goes to the request
 later in the batch), the last bin stepping down to no drafting (``None``).
 """

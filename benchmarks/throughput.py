@@ -124,8 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="chat: /v1/chat/completions with messages (default); completions: /v1/completions with "
                          "the raw prompt")
     ap.add_argument("--dataset", default="gsm8k",
-                    help="humaneval, gsm8k, sharegpt, mtbench, creative, or a .jsonl file of {\"prompt\": ...} "
-                         "lines (default gsm8k)")
+                    help="humaneval, gsm8k, sharegpt, mtbench, creative, a .jsonl file of {\"prompt\": ...} "
+                         "lines, or hf:NAME[:SPLIT] for a Hugging Face dataset when the hub is reachable (needs "
+                         "the datasets package; the column: --hf-column) (default gsm8k)")
+    ap.add_argument("--hf-column", default=None,
+                    help="the prompt column of an hf: dataset (default: the first of " + ", ".join(HF_COLUMNS)
+                         + "; a list of {role, content} messages or of ShareGPT {from, value} turns is a chat)")
     ap.add_argument("--num-prompts", type=int, default=100, help="prompts to load (default 100)")
     load = ap.add_mutually_exclusive_group()
     load.add_argument("--concurrency", default=None,
@@ -170,6 +174,7 @@ class Config:
     request_timeout: float
     result_json: str | None
     progress: bool
+    hf_column: str | None = None
 
     @property
     def levels(self) -> list[dict]:
@@ -211,15 +216,74 @@ def make_config(args: argparse.Namespace) -> Config:
         num_requests=args.num_requests, max_seconds=args.max_seconds, max_tokens=args.max_tokens,
         temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos,
         warmup_requests=args.warmup_requests, request_timeout=args.request_timeout,
-        result_json=args.result_json, progress=not args.no_progress)
+        result_json=args.result_json, progress=not args.no_progress, hf_column=args.hf_column)
 
 
 # ------------------------------------------------------------------------------------------ prompts
-def load_benchmark_prompts(dataset: str, num_prompts: int) -> list[list[dict]]:
-    """The first ``num_prompts`` prompts of a prompt set or JSONL file, each as chat messages."""
+HF_COLUMNS = ("prompt", "question", "instruction", "input", "text", "messages", "conversations")
+
+
+def hf_rows_to_prompts(rows, column: str | None, name: str) -> list[list[dict]]:
+    """Chat messages from the rows of a Hugging Face dataset (any iterable of dicts): ``column`` (default: the
+    first of :data:`HF_COLUMNS` the first row has) holding a string (one user turn), a list of ``{"role",
+    "content"}`` messages, or ShareGPT ``{"from", "value"}`` turns (cut before the first assistant turn, so the
+    server answers the first user turn).
+
+    Raises:
+        BenchmarkError: no such column, or a value that is none of these.
+    """
+    out = []
+    for i, row in enumerate(rows):
+        col = column or next((c for c in HF_COLUMNS if c in row), None)
+        if col is None or col not in row:
+            raise BenchmarkError(f"--dataset {name}: row {i} has no column {column or ' / '.join(HF_COLUMNS)} "
+                                 f"(columns: {', '.join(row)}); pick one with --hf-column")
+        value = row[col]
+        if isinstance(value, str) and value.strip():
+            out.append([{"role": "user", "content": value}])
+            continue
+        if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+            msgs = [{"role": {"human": "user", "gpt": "assistant"}.get(m.get("from"), m.get("from")),
+                     "content": m.get("value")} if "from" in m else {"role": m.get("role"), "content": m.get("content")}
+                    for m in value]
+            first_reply = next((k for k, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
+            msgs = msgs[:first_reply]
+            if msgs and all(isinstance(m["role"], str) and isinstance(m["content"], str) for m in msgs):
+                out.append(msgs)
+                continue
+        raise BenchmarkError(f"--dataset {name}: row {i}, column {col!r}: expected a string or a list of chat "
+                             f"messages, got {type(value).__name__}")
+    return out
+
+
+def load_hf_prompts(spec: str, num_prompts: int, column: str | None) -> list[list[dict]]:
+    """``hf:NAME[:SPLIT]`` (split default ``train``) through ``datasets.load_dataset``, first ``num_prompts`` rows.
+
+    Raises:
+        BenchmarkError: no ``datasets`` package, or the dataset cannot be loaded (offline, unknown name, ...).
+    """
+    name, _, split = spec[len("hf:"):].partition(":")
+    try:
+        import datasets
+    except ImportError:
+        raise BenchmarkError(f"--dataset {spec}: Hugging Face datasets need the `datasets` package "
+                             f"(pip install datasets)") from None
+    try:
+        ds = datasets.load_dataset(name, split=split or "train", streaming=True)
+        rows = [row for _, row in zip(range(num_prompts), ds)]
+    except Exception as e:  # offline hub, unknown dataset or split: one line, not a traceback
+        raise BenchmarkError(f"--dataset {spec}: cannot load it ({type(e).__name__}: {str(e).splitlines()[0]})") \
+            from None
+    return hf_rows_to_prompts(rows, column, spec)
+
+
+def load_benchmark_prompts(dataset: str, num_prompts: int, hf_column: str | None = None) -> list[list[dict]]:
+    """The first ``num_prompts`` prompts of a prompt set, JSONL file or ``hf:`` dataset, each as chat messages."""
     from vllm_entmtp.datasets import PROMPT_SETS, load_prompts
 
-    if dataset in PROMPT_SETS:
+    if dataset.startswith("hf:"):
+        prompts = load_hf_prompts(dataset, num_prompts, hf_column)
+    elif dataset in PROMPT_SETS:
         try:
             prompts = [p.messages for p in load_prompts(dataset, limit=num_prompts)]
         except (FileNotFoundError, ValueError) as e:
@@ -663,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
                 Path(cfg.result_json).parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise BenchmarkError(f"--result-json {cfg.result_json}: {e}") from None
-        prompts = load_benchmark_prompts(cfg.dataset, cfg.num_prompts)
+        prompts = load_benchmark_prompts(cfg.dataset, cfg.num_prompts, cfg.hf_column)
         result = asyncio.run(run_benchmark(cfg, prompts))
         if cfg.result_json:
             try:

@@ -197,6 +197,43 @@ def test_prompts_from_jsonl_and_prompt_set(tmp_path):
         tp.load_benchmark_prompts(str(bad), 5)
 
 
+def test_prompts_from_hugging_face_rows():
+    rows = [{"question": "q1", "answer": "a"}, {"question": "q2", "answer": "b"}]
+    assert tp.hf_rows_to_prompts(rows, None, "hf:x") == [[{"role": "user", "content": "q1"}],
+                                                         [{"role": "user", "content": "q2"}]]
+    share = [{"id": "1", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
+                                           {"from": "human", "value": "more"}]}]
+    assert tp.hf_rows_to_prompts(share, None, "hf:x") == [[{"role": "user", "content": "hi"}]]  # first turn
+    chat = [{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}]
+    assert tp.hf_rows_to_prompts(chat, "messages", "hf:x") == [chat[0]["messages"]]
+    with pytest.raises(tp.BenchmarkError, match=r"hf:x: row 0 has no column prompt / question.*columns: id, "
+                                                r"label\); pick one with --hf-column"):
+        tp.hf_rows_to_prompts([{"id": 1, "label": 2}], None, "hf:x")
+    with pytest.raises(tp.BenchmarkError, match="row 0, column 'label': expected a string or a list of chat"):
+        tp.hf_rows_to_prompts([{"id": 1, "label": 2}], "label", "hf:x")
+
+
+def test_hugging_face_dataset_that_cannot_load_is_one_line(monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
+    with pytest.raises(tp.BenchmarkError, match=r"hf:org/name: Hugging Face datasets need the `datasets` package"):
+        tp.load_benchmark_prompts("hf:org/name", 4)
+
+    def offline(name, split, streaming):
+        assert (name, split, streaming) == ("org/name", "test", True)
+        raise ConnectionError("Couldn't reach 'org/name' on the Hub (LocalEntryNotFoundError)\nmore")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
+    with pytest.raises(tp.BenchmarkError, match=r"^--dataset hf:org/name:test: cannot load it \(ConnectionError: "
+                                                r"Couldn't reach 'org/name' on the Hub \(LocalEntryNotFoundError\)\)$"):
+        tp.load_benchmark_prompts("hf:org/name:test", 4)
+    rows = [{"prompt": f"p{i}"} for i in range(10)]
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda n, split, streaming: rows))
+    assert tp.load_benchmark_prompts("hf:org/name", 3) == [[{"role": "user", "content": f"p{i}"}] for i in range(3)]
+
+
 def test_sse_parser_splits_events_across_chunks():
     p = tp.SSEParser()
     assert p.feed(b'data: {"a": 1}\r\n\r\ndata: {"b"') == ['{"a": 1}']

@@ -8,10 +8,11 @@ which on its own greedy reply is the reply's next token).
 
 Why: the heads serve greedy decoding, i.e. the target's own text. On dataset text the label at ``t + k + 1`` is
 the target's prediction after *human* tokens ``t + 1 .. t + k`` that the head never sees; on the target's
-replies it is the next token of the reply. Medusa-2 (Cai et al. 2024, section 2.3.2) and Hydra (Ankner et al.
-2024, section 4) train on such self-distilled replies. Here: the shipped heads, trained on 267k positions of
-dataset text, reach a held-out top-1 of 0.21 (Medusa head 0), while a probe trained on 35k positions of the
-target's greedy replies reached 0.30 (``../shared/notes/models-and-data.md``).
+replies it is the next token of the reply. Medusa (Cai et al. 2024, section 2.3.2, "Self-Distillation") trains on
+the target's own replies to the training prompts; Hydra++ (Ankner et al. 2024) distils from the base model too.
+Here: the shipped Medusa heads, trained on 267k positions of dataset text, reach a held-out top-1 of 0.21 for
+head 0, while an earlier probe on this machine, trained on 35k positions of the target's greedy replies,
+reached 0.30.
 
 Prompt sources (never an eval prompt; :mod:`vllm_entmtp.datasets`):
 

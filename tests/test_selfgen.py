@@ -133,5 +133,6 @@ def test_command_arguments():
     G.add_arguments(p)
     args = p.parse_args(["--out", "d", "--prompts", "sharegpt=10,code=0"])
     assert args.prompts == {"sharegpt": 10, "code": 0} and args.dtype == "float32"
-    with pytest.raises(SystemExit):
-        p.parse_args(["--out", "d", "--prompts", "chat=10"])
+    for bad in (["--prompts", "chat=10"], ["--max-tokens", "0"], ["--max-num-seqs", "x"], ["--batch", "-1"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--out", "d", *bad])

@@ -208,14 +208,24 @@ def _counts(text: str) -> dict[str, int]:
     return out
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return n
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="folder of the <source>.jsonl files (appended to; resumes)")
     p.add_argument("--model", default=None, help="target model folder (default: the prepared default model)")
     p.add_argument("--prompts", type=_counts, default=dict(DEFAULT_COUNTS),
                    help="prompts per source (default: %s)" % ",".join(f"{k}={v}" for k, v in DEFAULT_COUNTS.items()))
-    p.add_argument("--max-tokens", type=int, default=256, help="reply tokens at most (default: %(default)s)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests in flight (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=256, help="prompts per write (default: %(default)s)")
+    p.add_argument("--max-tokens", type=_positive, default=256, help="reply tokens at most (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=_positive, default=64, help="requests in flight (default: %(default)s)")
+    p.add_argument("--batch", type=_positive, default=256, help="prompts per write (default: %(default)s)")
     p.add_argument("--dtype", default="float32",
                    help="the target's dtype; float32 is what the heads are served with here (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="prompt order (default: %(default)s)")
@@ -228,7 +238,10 @@ def run(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     plan = {s: generation_prompts(s, n, args.seed) for s, n in args.prompts.items() if n > 0}
-    todo = {s: [p for p in ps if p.id not in done_ids(out / f"{s}.jsonl")] for s, ps in plan.items()}
+    todo = {}
+    for s, ps in plan.items():
+        have = done_ids(out / f"{s}.jsonl")
+        todo[s] = [p for p in ps if p.id not in have]
     total = sum(len(v) for v in todo.values())
     _log(", ".join(f"{s}: {len(plan[s])} prompts, {len(plan[s]) - len(todo[s])} done" for s in plan))
     if not total:

@@ -625,8 +625,8 @@ def aggregate(runs: list[dict]) -> list[dict]:
     return rows
 
 
-#: Issue 6's targets for ``{"method": "entmtp"}`` (the method ``entmtp``), read against a run as it came out (never
-#: tuned for): output tokens/s over plain decoding at concurrency 1, per task.
+#: The project's targets for ``{"method": "entmtp"}`` (the method ``entmtp``), read against a run as it came out
+#: (never tuned for): output tokens/s over plain decoding at concurrency 1, per task.
 SPEEDUP_TARGETS = {"humaneval": 2.0, "gsm8k": 2.0, "sharegpt": 1.5, "creative": 1.5}
 VS_BASELINE_TARGETS = {"ngram": 1.6, "vllm-medusa": 1.36}  # on at least one task, concurrency 1
 VS_HYDRA_TARGET = 1.15  # over hydra-tree, mean of the four tasks' ratios, concurrency 1
@@ -645,8 +645,8 @@ def peak_memory(runs: list[dict]) -> dict[str, float]:
 
 
 def targets(doc: dict, method: str = "entmtp") -> list[dict]:
-    """Issue 6's targets read against this run: one ``{"target", "needed", "measured", "met"}`` per target, ``met``
-    None where the run lacks what the target needs (a method, task or concurrency level it did not run)."""
+    """The project's targets read against this run: one ``{"target", "needed", "measured", "met"}`` per target,
+    ``met`` None where the run lacks what the target needs (a method, task or concurrency level it did not run)."""
     rows = {(r["method"], r["task"], r["concurrency"]): r for r in doc["aggregate"]}
 
     def ratio(task, conc, base):
@@ -777,7 +777,7 @@ def render_report(doc: dict) -> str:
             "(`VLLM_CPU_KVCACHE_SPACE`)."]
     goals = doc.get("targets") or []
     if goals:
-        out += ["", "## Targets", "", "Issue 6's targets for `{\"method\": \"entmtp\"}` (the method `entmtp`), read "
+        out += ["", "## Targets", "", "The project's targets for `{\"method\": \"entmtp\"}` (the method `entmtp`), read "
                 "against this run; `-`: the run lacks a method, task or level the target needs.", "",
                 "| target | needed | measured | met |", "|---|---|---|---|"]
         out += [f"| {g['target']} | {g['needed']} | {g['measured']} | "

@@ -777,8 +777,8 @@ def render_report(doc: dict) -> str:
             "(`VLLM_CPU_KVCACHE_SPACE`)."]
     goals = doc.get("targets") or []
     if goals:
-        out += ["", "## Targets", "", "The project's targets for `{\"method\": \"entmtp\"}` (the method `entmtp`), read "
-                "against this run; `-`: the run lacks a method, task or level the target needs.", "",
+        out += ["", "## Targets", "", "The project's targets for `{\"method\": \"entmtp\"}` (the method `entmtp`), "
+                "read against this run; `-`: the run lacks a method, task or level the target needs.", "",
                 "| target | needed | measured | met |", "|---|---|---|---|"]
         out += [f"| {g['target']} | {g['needed']} | {g['measured']} | "
                 f"{'-' if g['met'] is None else ('yes' if g['met'] else 'no')} |" for g in goals]

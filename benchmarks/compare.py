@@ -343,6 +343,12 @@ def group_members(pgid: int) -> list[int]:
     return pids
 
 
+def portable(text: str) -> str:
+    """``text`` with this checkout's folder (the working folder) left out of paths and the home folder written
+    ``~``: results that get committed or shared do not name this machine's layout."""
+    return text.replace(str(Path.cwd()) + os.sep, "").replace(str(Path.home()) + os.sep, "~" + os.sep)
+
+
 def peak_rss_mib(pids: list[int]) -> float | None:
     """Sum over ``pids`` of each process's peak resident set (``VmHWM`` in ``/proc/<pid>/status``), MiB; None when
     none can be read. The processes may peak at different times, so this bounds the group's peak from above."""
@@ -492,6 +498,10 @@ class Server:
             self._signal(signal.SIGKILL)  # stragglers of the group (engine core, workers), or a hung server
             self._wait_group(10.0)
         self.proc.wait()
+        try:  # the log names this machine's folders on almost every line
+            self.log.write_text(portable(self.log.read_text(errors="replace")))
+        except OSError:
+            pass
         deadline = time.monotonic() + port_wait_s
         while port_in_use(self.port):
             if time.monotonic() > deadline:
@@ -533,7 +543,7 @@ def run_method(s: Settings, method: Method, model: str, vllm: str, repeat: int, 
                    "wall_s": time.monotonic() - t0, **result}
             raw = s.out / "raw" / f"r{repeat}-{method.name}-{task}.json"
             raw.parent.mkdir(parents=True, exist_ok=True)
-            raw.write_text(json.dumps(rec, indent=2) + "\n")
+            raw.write_text(portable(json.dumps(rec, indent=2)) + "\n")
             records.append(rec)
             print(f"[compare]   {method.name} / {task}: " + ", ".join(
                 f"c{lv['concurrency']} {tp._fmt(lv['output_throughput'], '.1f')} tok/s" for lv in rec["levels"]),
@@ -943,9 +953,9 @@ def write_outputs(doc: dict, out_dir: Path) -> None:
     except Exception as e:  # a plot must not cost the numbers
         doc["plots"] = []
         print(f"[compare] plots failed: {type(e).__name__}: {e}", file=sys.stderr)
-    (out_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (out_dir / "report.md").write_text(render_report(doc))
-    (out_dir / "headline.md").write_text(render_headline(doc))
+    (out_dir / "results.json").write_text(portable(json.dumps(doc, indent=2)) + "\n")
+    (out_dir / "report.md").write_text(portable(render_report(doc)))
+    (out_dir / "headline.md").write_text(portable(render_headline(doc)))
 
 
 # ------------------------------------------------------------------------------------------ main

@@ -388,6 +388,25 @@ def test_write_outputs(tmp_path):
     assert cp.main(["--render", str(tmp_path / "missing.json")]) == 2
 
 
+def test_results_name_no_machine_paths(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.chdir(tmp_path)
+    home = str(Path.home())
+    text = f"LD_PRELOAD={tmp_path}/.venv/lib/libgomp.so.1 model={home}/.cache/m other=/opt/x"
+    assert cp.portable(text) == "LD_PRELOAD=.venv/lib/libgomp.so.1 model=~/.cache/m other=/opt/x"
+    runs = hand_runs()
+    runs[0]["server_runtime"] = {"env": {"LD_PRELOAD": [f"{tmp_path}/.venv/lib/libgomp.so.1"]}, "omp_binding": []}
+    runs[0]["speculative_config"] = {"method": "medusa", "model": f"{home}/.cache/vllm-entmtp/vllm-medusa/m"}
+    doc = hand_doc(runs)
+    (tmp_path / "out").mkdir()
+    cp.write_outputs(doc, tmp_path / "out")
+    for name in ("results.json", "report.md", "headline.md"):
+        written = (tmp_path / "out" / name).read_text()
+        assert str(tmp_path) not in written and home + "/" not in written
+    assert "LD_PRELOAD=.venv/lib/libgomp.so.1" in (tmp_path / "out" / "report.md").read_text()
+
+
 def test_headline_quotes_the_results():
     fast = {"humaneval": 21.0, "gsm8k": 20.0, "sharegpt": 15.0, "creative": 14.0}
     doc = hand_doc(target_runs(fast, 40.0, {"plain": 1000.0, "entmtp": 1100.0}))

@@ -36,6 +36,7 @@ import importlib.util
 import json
 import re
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -229,20 +230,27 @@ class TrainingDoc:
     messages: list[dict]
 
 
-def _stdlib_code_docs(max_chars: int) -> list[TrainingDoc]:
-    """CPython standard-library ``.py`` files (this interpreter's), in sorted path order, cut at blank lines
-    into pieces of at most ``max_chars``, each as an assistant reply in a fenced code block."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+def stdlib_sources(root: Path | None = None) -> Iterator[tuple[Path, str]]:
+    """``(path relative to root, text)`` of the CPython standard library's ``.py`` files (``root``: this
+    interpreter's), in sorted path order, without tests, IDLE, lib2to3, turtledemo and site-packages; files that
+    cannot be read as UTF-8 are left out."""
+    root = root or Path(sysconfig.get_paths()["stdlib"])
     skip = ("site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__", "turtledemo")
-    docs = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
         if any(part in skip for part in rel.parts[:-1]) or rel.name.startswith("test_"):
             continue
         try:
-            text = path.read_text(encoding="utf-8")
+            yield rel, path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
+
+
+def _stdlib_code_docs(max_chars: int) -> list[TrainingDoc]:
+    """CPython standard-library ``.py`` files (:func:`stdlib_sources`) cut at blank lines into pieces of at most
+    ``max_chars``, each as an assistant reply in a fenced code block."""
+    docs = []
+    for rel, text in stdlib_sources():
         piece, n = [], 0
         for block in text.split("\n\n"):
             if piece and sum(len(b) + 2 for b in piece) + len(block) > max_chars:

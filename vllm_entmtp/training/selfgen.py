@@ -31,12 +31,11 @@ import ast
 import json
 import random
 import sys
-import sysconfig
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from vllm_entmtp.datasets import HUMANEVAL_TEMPLATE, Prompt, TrainingDoc, load_prompts
+from vllm_entmtp.datasets import HUMANEVAL_TEMPLATE, Prompt, TrainingDoc, load_prompts, stdlib_sources
 
 SOURCES = ("sharegpt", "gsm8k", "code")
 GEN_SUFFIX = "-gen"  # training source name of a source's generated replies: "sharegpt-gen", ...
@@ -58,17 +57,11 @@ def stdlib_function_prompts(root: Path | None = None) -> list[Prompt]:
     """HumanEval-style prompts from documented top-level functions of the CPython standard library: the ``def``
     line(s) and the docstring, in the HumanEval template (``datasets.HUMANEVAL_TEMPLATE``); sorted by module path
     and line. Private functions, methods, tests, and docstrings over ``MAX_DOCSTRING_CHARS`` are left out."""
-    root = root or Path(sysconfig.get_paths()["stdlib"])
-    skip = ("site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__", "turtledemo")
     out = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if any(part in skip for part in rel.parts[:-1]) or rel.name.startswith("test_"):
-            continue
+    for rel, text in stdlib_sources(root):
         try:
-            text = path.read_text(encoding="utf-8")
             tree = ast.parse(text)
-        except (UnicodeDecodeError, OSError, SyntaxError, ValueError):
+        except (SyntaxError, ValueError):
             continue
         lines = text.splitlines()
         for node in tree.body:

@@ -1033,8 +1033,8 @@ def read_step_costs(paths: str | Path | Sequence[str | Path]) -> dict[str, dict[
     one or more JSON files with a ``step_cost_by_nodes`` object (``benchmarks/ablation.py`` writes one: costs
     measured inside the engine; keys ``"N"`` for chains, ``"Nt"`` for trees that need the tree-attention fix,
     :func:`vllm_entmtp.stats.step_key`). With several files (runs), each key's cost is the median over the files
-    that measured it: on this machine one run's costs move by more than a schedule gains (issue 4's ablations:
-    a 1-node draft cost 0.99-1.15 plain steps from run to run). Either table may be empty (:func:`step_cost_of`
+    that measured it: on this machine one run's costs move by more than a schedule gains (a 1-node draft cost
+    0.99-1.15 plain steps from run to run, ``benchmarks/results/ablation-2026-11-30b/``). Either table may be empty (:func:`step_cost_of`
     then uses the other).
 
     Raises:

@@ -97,10 +97,9 @@ def step_cost_from_rates(summary: dict, key_of: dict[str, str]) -> dict[str, flo
 
 def tree_step_keys(tree_set, tree_ids) -> dict[str, str]:
     """``{tree id: vllm_entmtp.stats.step_key}`` (draft nodes, and whether it needs the tree-attention fix)."""
-    from vllm_entmtp.patches.tree_step import fix_rows_for
-    from vllm_entmtp.stats import step_key
+    from vllm_entmtp.stats import tree_step_key
 
-    return {t: step_key(tree_set.get(t).num_nodes, bool(fix_rows_for(tree_set.get(t).parents))) for t in tree_ids}
+    return {t: tree_step_key(tree_set.get(t)) for t in tree_ids}
 
 
 def step_time_speedups(result: dict) -> dict[str, float]:

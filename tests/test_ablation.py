@@ -128,6 +128,16 @@ def test_step_timer_medians_and_costs():
         parse_step_key("x")
 
 
+def test_tree_step_key_marks_trees_that_branch_before_their_end():
+    from vllm_entmtp.stats import tree_step_key
+    from vllm_entmtp.trees import Tree
+
+    assert tree_step_key(Tree.chain(3)) == "3"
+    assert tree_step_key(Tree([[0], [0, 0], [1]])) == "3t"  # branches after its chain: rows need the fix
+    assert tree_step_key(Tree([[0], [1]])) == "2t"
+    assert tree_step_key(Tree([[0]])) == "1"
+
+
 def test_step_time_speedups_and_their_verdict():
     """The estimate from median step costs: output tokens over the cost of the steps each variant took."""
     good = _result("humaneval", {"no-drafting": 8, "tree:a": 9, "scheduled": 8.9})  # the wall clock: behind

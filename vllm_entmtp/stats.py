@@ -92,6 +92,14 @@ def step_key(nodes: int, tree: bool) -> str:
     return f"{nodes}t" if tree else str(nodes)
 
 
+def tree_step_key(tree) -> str:
+    """:func:`step_key` of a draft tree (:class:`~vllm_entmtp.trees.Tree`): its node count, and whether its rows
+    need the tree-attention fix (it branches before its end, :func:`~vllm_entmtp.patches.tree_step.fix_rows_for`)."""
+    from vllm_entmtp.patches.tree_step import fix_rows_for
+
+    return step_key(tree.num_nodes, bool(fix_rows_for(list(tree.parents))))
+
+
 def parse_step_key(key: str) -> tuple[int, bool]:
     """``(nodes, tree)`` of a :func:`step_key` (``ValueError`` for anything else)."""
     tree = key.endswith("t")

@@ -172,7 +172,7 @@ def markdown_report(results: list[dict], max_loss: float = 0.02) -> str:
         v, best = r["variants"], r["best_static"]
         out += [f"### {r['prompt_set']} (tree set `{Path(r['tree_set']).stem}`)", "",
                 f"{r['num_prompts']} prompts x {r['max_tokens']} tokens, {r['repeats']} rounds, {r['dtype']}, one "
-                f"engine, {load_text(r)}.", "",
+                f"{'compiled' if r.get('compiled') else 'eager'} engine, {load_text(r)}.", "",
                 "| variant | tokens/s | per round | vs no drafting | vs best static | step-time estimate: vs no "
                 "drafting / vs best static | MAL (bonus incl.) | choice shares |",
                 "|---|---:|---|---:|---:|---:|---:|---|"]
@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-schedule", action="store_true",
                     help="leave out the scheduled variant (e.g. measuring step costs with --all-trees)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--compiled", action="store_true",
+                    help="run the engine with torch.compile, as `vllm serve` does (default: eager, which starts "
+                         "faster but makes the target's forward, and so every step, longer)")
     ap.add_argument("--model", default=None, help="target model folder (default: the prepared default model)")
     ap.add_argument("--heads", default=None, help="heads folder (default: the registered ones)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -287,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         spec["max_verify_tokens_per_step"] = args.max_verify_tokens_per_step
     job = {"model": args.model or str(prepare_default_model()), "speculative_config": spec, "dtype": args.dtype,
            "max_model_len": 2048, "max_num_seqs": max(4, args.concurrency), "conversations": convs,
-           "max_tokens": args.max_tokens,
+           "max_tokens": args.max_tokens, "engine_args": {"enforce_eager": not args.compiled},
            "phases": [{"name": f"{r}:{n}", "concurrency": args.concurrency,
                        "extra_args": [vs[n]] * len(convs) if vs[n] is not None else None} for r, n in order]}
     try:
@@ -317,10 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     result = {"tree_set": str(shown), "prompt_set": args.prompt_set, "num_prompts": len(prompts),
               "max_tokens": args.max_tokens, "repeats": args.repeats, "dtype": args.dtype,
               "concurrency": args.concurrency, "max_verify_tokens_per_step": args.max_verify_tokens_per_step,
-              "phases": phases,
+              "compiled": args.compiled, "phases": phases,
               **summary}
     print(f"{args.prompt_set}: {len(prompts)} prompts x {args.max_tokens} tokens, tree set {ts.name}, "
-          f"{args.repeats} round(s), {args.dtype}, one engine, concurrency {args.concurrency}")
+          f"{args.repeats} round(s), {args.dtype}, one {'compiled' if args.compiled else 'eager'} engine, "
+          f"concurrency {args.concurrency}")
     print(format_table(summary))
     for key, what in (("entropy_acceptance", "entropy EMA (nats)"), ("confidence_acceptance", "path confidence")):
         corr = summary[key]

@@ -68,9 +68,22 @@ def test_markdown_report_verdict(tmp_path, capsys):
         files[-1].write_text(json.dumps(r))
     assert ab.main(["--report", *map(str, files), "--out", str(tmp_path / "r.md")]) == 0
     assert (tmp_path / "r.md").read_text() == capsys.readouterr().out == ab.markdown_report(good)
-    assert "one engine, one request at a time." in text
-    loaded = dict(good[0], concurrency=16, max_verify_tokens_per_step=24)
-    assert "one engine, 16 requests in flight, max_verify_tokens_per_step 24." in ab.markdown_report([loaded])
+    assert "one eager engine, one request at a time." in text
+    loaded = dict(good[0], concurrency=16, max_verify_tokens_per_step=24, compiled=True)
+    assert "one compiled engine, 16 requests in flight, max_verify_tokens_per_step 24." in ab.markdown_report([loaded])
+
+
+def test_make_llm_is_eager_unless_told(monkeypatch):
+    """`--compiled` reaches vLLM: the harness's engine is eager by default and compiled with enforce_eager=False."""
+    import vllm
+
+    from vllm_entmtp.harness import make_llm
+
+    seen = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: seen.append(kw))
+    make_llm("m", None)
+    make_llm("m", None, enforce_eager=False)
+    assert [kw["enforce_eager"] for kw in seen] == [True, False]
 
 
 def test_entropy_acceptance_correlation():

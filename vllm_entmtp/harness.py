@@ -62,7 +62,8 @@ def tree_stats(llm) -> dict:
 
 def make_llm(model: str, speculative_config: dict | None, *, dtype: str = "bfloat16", max_model_len: int = 2048,
              max_num_seqs: int = 8, seed: int = 0, gpu_memory_utilization: float = 0.3, **kwargs: Any):
-    """A vLLM ``LLM`` (eager mode: no compile warm-up) with spec-decode stats enabled.
+    """A vLLM ``LLM`` with spec-decode stats enabled; eager (no torch.compile warm-up) unless
+    ``enforce_eager=False`` is passed, as ``vllm serve`` runs by default.
 
     Allows pickled RPCs to the workers (``VLLM_ALLOW_INSECURE_SERIALIZATION``) so that :func:`tree_stats` can
     read the drafter's counters; this is an offline harness running only its own code.
@@ -75,8 +76,8 @@ def make_llm(model: str, speculative_config: dict | None, *, dtype: str = "bfloa
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM
 
-    return LLM(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-               enforce_eager=True, seed=seed, speculative_config=speculative_config,
+    kwargs.setdefault("enforce_eager", True)
+    return LLM(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, speculative_config=speculative_config,
                disable_log_stats=False, gpu_memory_utilization=gpu_memory_utilization, **kwargs)
 
 

@@ -1,0 +1,204 @@
+"""Where an engine step's time goes: plain decoding against speculative methods, phase by phase, in one run.
+
+    python benchmarks/step_profile.py --methods plain,entmtp --concurrency 1
+    python benchmarks/step_profile.py --methods plain,entmtp --concurrency 16 --out runs/profile-c16.json
+
+Each method runs in its own process: an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, compiled as
+``vllm serve`` runs it unless ``--eager``), float32, greedy, ``--concurrency`` requests at a time over the prompt
+set, after one warm-up batch. Wrappers around vLLM's engine step and the V1 model runner's methods time every
+step; the report gives, per method, the median milliseconds of each phase over the steps where exactly
+``--concurrency`` requests decode (no prompt tokens), and each phase's difference from the first method:
+
+========== =====================================================================================================
+step       the whole ``EngineCore.step``: scheduling, the forward, sampling, drafting, output processing
+schedule   vLLM's scheduler
+prepare    ``_prepare_inputs`` (with entmtp's tree rows)
+forward    ``_model_forward``: the target over the step's rows (tree-attention fix included)
+logits     the target's ``compute_logits`` (lm_head over the sampled rows; Llama-architecture targets only)
+sample     ``_sample``: sampler, rejection sampler, tree walk, entmtp's entropy signal
+propose    ``propose_draft_token_ids``: the drafter (heads, tracker, scheduler, counters)
+bookkeep   ``_bookkeeping_sync``
+========== =====================================================================================================
+
+Phases nest (``forward``, ``logits`` and ``prepare`` are inside ``execute_model``; ``sample`` and ``propose``
+inside ``sample_tokens``), so they do not add up to ``step``. ``rows`` is the mean of verified rows per step
+(one per request plus its draft tokens). Tokens/s are printed for orientation; ``benchmarks/compare.py`` and
+``benchmarks/ablation.py`` measure speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+PHASES = ("step", "schedule", "prepare", "forward", "logits", "sample", "propose", "bookkeep")
+RUNNER_PHASES = {"_prepare_inputs": "prepare", "_model_forward": "forward", "_sample": "sample",
+                 "propose_draft_token_ids": "propose", "_bookkeeping_sync": "bookkeep"}
+METHODS = {
+    "plain": None,
+    "entmtp": {"method": "entmtp"},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+}
+
+
+def summarize(records: list[dict], concurrency: int) -> dict:
+    """Median ms per phase over the steps where ``concurrency`` requests decode and nothing else runs.
+
+    Args:
+        records: one dict per engine step: phase -> seconds, and ``reqs`` (requests scheduled), ``rows`` (tokens
+            scheduled), ``spec`` (draft tokens scheduled).
+
+    Raises:
+        ValueError: no such step.
+    """
+    dec = [r for r in records if r.get("reqs") == concurrency and r.get("rows") == concurrency + r.get("spec", 0)]
+    if not dec:
+        raise ValueError(f"no step decoded exactly {concurrency} requests ({len(records)} steps recorded)")
+    return {"decode_steps": len(dec), "rows": round(statistics.mean(r["rows"] for r in dec), 3),
+            "median_ms": {p: round(1000 * statistics.median(r.get(p, 0.0) for r in dec), 3) for p in PHASES}}
+
+
+def format_table(results: list[dict]) -> str:
+    """Markdown: one row per method, median ms per phase, and ``(+x)`` against the first method."""
+    base = results[0]["median_ms"]
+    head = "| method | tokens/s | rows | " + " | ".join(PHASES) + " |"
+    out = [head, "|" + "---|" * 2 + "---:|" * (len(PHASES) + 1)]
+    for r in results:
+        ms = r["median_ms"]
+        cells = [f"{ms[p]:.2f}" + (f" ({ms[p] - base[p]:+.2f})" if r is not results[0] else "") for p in PHASES]
+        out.append(f"| {r['method']} | {r['tokens_per_s']:.2f} | {r['rows']:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def _profile(method: str, spec: dict | None, args) -> dict:
+    """Runs in the child process: the engine with timing wrappers; returns the method's summary."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm_entmtp.patches import apply_all
+
+    apply_all()  # the plugin's patches first: the wrappers go around them
+    import vllm.v1.worker.gpu_model_runner as gmr
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    records: list[dict] = []
+    cur: dict = {}
+
+    def timed(orig, key):
+        def f(*a, **k):
+            t = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                cur[key] = cur.get(key, 0.0) + time.perf_counter() - t
+        return f
+
+    for name, key in RUNNER_PHASES.items():
+        setattr(gmr.GPUModelRunner, name, timed(getattr(gmr.GPUModelRunner, name), key))
+    orig_step, orig_schedule = EngineCore.step, Scheduler.schedule
+
+    def step(self):
+        cur.clear()
+        t = time.perf_counter()
+        out = orig_step(self)
+        cur["step"] = time.perf_counter() - t
+        records.append(dict(cur))
+        return out
+
+    def schedule(self, *a, **k):
+        t = time.perf_counter()
+        so = orig_schedule(self, *a, **k)
+        cur["schedule"] = cur.get("schedule", 0.0) + time.perf_counter() - t
+        cur.update(reqs=len(so.num_scheduled_tokens), rows=so.total_num_scheduled_tokens,
+                   spec=sum(len(v) for v in so.scheduled_spec_decode_tokens.values()))
+        return so
+
+    EngineCore.step, Scheduler.schedule = step, schedule
+    from vllm.model_executor.models.llama import LlamaForCausalLM  # the default target's class
+
+    LlamaForCausalLM.compute_logits = timed(LlamaForCausalLM.compute_logits, "logits")
+    from vllm import LLM, SamplingParams
+
+    from vllm_entmtp.datasets import load_prompts
+    from vllm_entmtp.models import prepare_default_model
+
+    llm = LLM(model=args.model or str(prepare_default_model()), dtype="float32", max_model_len=2048,
+              max_num_seqs=max(args.concurrency, 4), enforce_eager=args.eager, seed=0, speculative_config=spec,
+              gpu_memory_utilization=0.3)
+    convs = [p.messages for p in load_prompts(args.prompt_set, limit=args.num_prompts, max_chars=1500)]
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    llm.chat(convs[:args.concurrency], sp, use_tqdm=False)  # warm-up
+    records.clear()
+    t0, n_out = time.perf_counter(), 0
+    for i in range(0, len(convs), args.concurrency):
+        outs = llm.chat(convs[i:i + args.concurrency], sp, use_tqdm=False)
+        n_out += sum(len(o.outputs[0].token_ids) for o in outs)
+    wall = time.perf_counter() - t0
+    return {"method": method, "spec": spec, "concurrency": args.concurrency, "eager": args.eager,
+            "tokens_per_s": round(n_out / wall, 3), "output_tokens": n_out, "steps": len(records),
+            **summarize(records, args.concurrency)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--methods", default="plain,entmtp",
+                    help=f"comma-separated, the first is the reference: {', '.join(METHODS)}, or NAME=JSON (a "
+                         "--speculative-config)")
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--prompt-set", default="humaneval")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--eager", action="store_true", help="no torch.compile (vllm serve compiles by default)")
+    ap.add_argument("--model", default=None, help="target model folder (default: the prepared default model)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if min(args.concurrency, args.num_prompts, args.max_tokens) < 1:
+        ap.error("--concurrency, --num-prompts and --max-tokens must be >= 1")
+    methods = []
+    for m in (x for x in args.methods.split(",") if x):
+        name, eq, js = m.partition("=")
+        if eq:
+            try:
+                methods.append((name, json.loads(js)))
+            except json.JSONDecodeError as e:
+                ap.error(f"--methods {name}: not JSON ({e})")
+        elif name in METHODS:
+            methods.append((name, METHODS[name]))
+        else:
+            ap.error(f"unknown method {name!r}: use {', '.join(METHODS)} or NAME=JSON")
+    if args.child is not None:
+        name, spec = methods[0]
+        print("STEP_PROFILE " + json.dumps(_profile(name, spec, args)), flush=True)
+        return 0
+    results = []
+    for name, spec in methods:
+        cmd = [sys.executable, __file__, "--child", "1", "--methods",
+               name if spec is None or METHODS.get(name) == spec else f"{name}={json.dumps(spec)}",
+               "--concurrency", str(args.concurrency), "--prompt-set", args.prompt_set,
+               "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens)]
+        cmd += ["--eager"] * args.eager + (["--model", args.model] if args.model else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("STEP_PROFILE ")), None)
+        if proc.returncode != 0 or line is None:
+            sys.exit(f"{name}: the engine failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        results.append(json.loads(line.split(" ", 1)[1]))
+        print(f"{name}: {results[-1]['tokens_per_s']:.2f} tokens/s, {results[-1]['decode_steps']} decode steps",
+              flush=True)
+    text = (f"{args.prompt_set}, {args.num_prompts} prompts x {args.max_tokens} tokens, concurrency "
+            f"{args.concurrency}, {'eager' if args.eager else 'compiled'}, float32; median ms per decode step\n\n"
+            + format_table(results))
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"settings": {k: v for k, v in vars(args).items() if k != "child"}, "results": results,
+                       "report": text}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

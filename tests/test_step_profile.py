@@ -1,0 +1,45 @@
+"""benchmarks/step_profile.py: the per-phase summary of recorded engine steps and its table."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("step_profile", Path(__file__).parents[1] / "benchmarks" / "step_profile.py")
+sp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sp)
+
+
+def _rec(reqs, rows, spec, **ms):
+    return {"reqs": reqs, "rows": rows, "spec": spec, **{k: v / 1000 for k, v in ms.items()}}
+
+
+def test_summary_keeps_only_steps_where_every_request_decodes():
+    recs = [_rec(1, 300, 0, step=900.0),            # a prefill: left out
+            _rec(1, 1, 0, step=40.0, forward=30.0),
+            _rec(1, 3, 2, step=60.0, forward=38.0, propose=5.0),
+            _rec(1, 2, 1, step=50.0, forward=34.0, propose=4.0),
+            _rec(2, 2, 0, step=70.0)]                # two requests: another concurrency
+    s = sp.summarize(recs, 1)
+    assert s["decode_steps"] == 3 and s["rows"] == 2.0
+    assert s["median_ms"]["step"] == pytest.approx(50.0) and s["median_ms"]["forward"] == pytest.approx(34.0)
+    assert s["median_ms"]["propose"] == pytest.approx(4.0)  # a step without the phase counts 0
+    assert sp.summarize(recs, 2)["median_ms"]["step"] == pytest.approx(70.0)
+    with pytest.raises(ValueError, match="exactly 4"):
+        sp.summarize(recs, 4)
+
+
+def test_table_gives_each_phase_against_the_first_method():
+    base = {"method": "plain", "tokens_per_s": 20.0, "rows": 1.0, "median_ms": dict.fromkeys(sp.PHASES, 10.0)}
+    other = {"method": "entmtp", "tokens_per_s": 21.0, "rows": 2.0,
+             "median_ms": {**dict.fromkeys(sp.PHASES, 10.0), "propose": 15.5}}
+    text = sp.format_table([base, other])
+    assert "| plain | 20.00 | 1.00 | 10.00 |" in text
+    assert "15.50 (+5.50)" in text and "10.00 (+0.00)" in text
+    assert len(text.splitlines()) == 4
+
+
+def test_bad_methods_are_refused():
+    with pytest.raises(SystemExit):
+        sp.main(["--methods", "plain,nosuch"])
+    with pytest.raises(SystemExit):
+        sp.main(["--methods", "x={bad json"])

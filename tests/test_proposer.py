@@ -1,4 +1,5 @@
 """MTPDrafter: per-request chains from the heads' top-1 tokens, cut by budget and confidence."""
+import pytest
 import torch
 
 from vllm_entmtp.heads.medusa import MedusaHeads, MedusaHeadsConfig
@@ -133,6 +134,29 @@ def test_hydra_confidence_threshold_cuts_chains():
             n += 1
         assert out[b] == full[b][:n]
     assert any(len(o) < 2 for o in out) and any(len(o) >= 2 for o in out)
+
+
+def test_hydra_small_head_evaluations_use_the_float16_draft_lm_head():
+    """A CPU drafter multiplies at most half_gemv_max_rows rows by a float16 copy of the draft lm_head (half the
+    bytes of a memory-bound GEMV); bigger evaluations, and the default drafter, stay in float32."""
+    from vllm_entmtp.proposer import HydraDrafter
+
+    drafter, heads, w, e = _hydra(draft_vocab=7)
+    half = HydraDrafter(heads, lambda ids: e[ids], w, half_gemv_max_rows=2)
+    assert drafter.w_draft_half is None and half.w_draft_half.dtype == torch.float16
+    assert torch.equal(half.w_draft_half, heads.draft_lm_weight(w).half())
+    x = torch.randn(3, 8)
+    ids = torch.tensor([[1], [2], [3]])
+    for n in (1, 2, 3):
+        toks, p1 = half._level(0, x[:n], ids[:n], 3)
+        hs = heads.hidden_states(0, x[:n], e[ids[:n]])
+        lg = (hs.half() @ heads.draft_lm_weight(w).half().t()).float() if n <= 2 else hs @ heads.draft_lm_weight(w).t()
+        assert toks == heads.to_token_ids(lg.topk(3).indices).tolist(), n
+        assert p1 == pytest.approx(torch.softmax(lg, -1).amax(-1).tolist(), abs=1e-6)
+        ref, p_ref = drafter._level(0, x[:n], ids[:n], 3)
+        assert p1 == pytest.approx(p_ref, abs=2e-2)  # float16 logits: close to float32's
+        if n == 3:
+            assert (toks, p1) == (ref, p_ref)  # above the row limit: float32, the default drafter's result
 
 
 def test_hydra_needs_the_bonus_token():

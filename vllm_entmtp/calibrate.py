@@ -1073,11 +1073,11 @@ def step_cost_of(costs: dict[str, dict[int, float]], paths: Sequence[Sequence[in
     """Measured step cost of the tree ``paths`` (:func:`read_step_costs`): from the tree table when its rows need
     the tree-attention fix (it branches before its end), else from the chain table, interpolated in the node
     count (:func:`interpolate_cost`); when that table is empty, the other one."""
-    from vllm_entmtp.stats import parse_step_key, tree_step_key
+    from vllm_entmtp.stats import needs_attention_fix
     from vllm_entmtp.trees import Tree
 
     t = Tree([list(p) for p in paths])
-    kind = "tree" if parse_step_key(tree_step_key(t))[1] else "chain"
+    kind = "tree" if needs_attention_fix(t) else "chain"
     table = costs.get(kind) or costs.get("chain" if kind == "tree" else "tree")
     return interpolate_cost(table, t.num_nodes)
 

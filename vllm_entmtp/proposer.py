@@ -179,10 +179,9 @@ class HydraDrafter:
         n = path_ids.shape[0]
         emb = self.embed(path_ids.reshape(-1)).view(n, path_ids.shape[1], -1).to(hidden.dtype)
         x = self.heads.hidden_states(k, hidden, emb)
-        if self.w_draft_half is not None and n <= self.half_gemv_max_rows:
-            logits = (x.half() @ self.w_draft_half.t()).float()
-        else:
-            logits = self.heads.logits(k, x, self.w_draft).float()
+        half = self.w_draft_half is not None and n <= self.half_gemv_max_rows
+        logits = (self.heads.logits(k, x.half(), self.w_draft_half) if half
+                  else self.heads.logits(k, x, self.w_draft)).float()
         vals, cols = logits.topk(topk, dim=-1)
         top1_p = torch.exp(vals[:, 0] - torch.logsumexp(logits, dim=-1))
         return self.heads.to_token_ids(cols).tolist(), top1_p.tolist()

@@ -92,12 +92,18 @@ def step_key(nodes: int, tree: bool) -> str:
     return f"{nodes}t" if tree else str(nodes)
 
 
-def tree_step_key(tree) -> str:
-    """:func:`step_key` of a draft tree (:class:`~vllm_entmtp.trees.Tree`): its node count, and whether its rows
-    need the tree-attention fix (it branches before its end, :func:`~vllm_entmtp.patches.tree_step.fix_rows_for`)."""
+def needs_attention_fix(tree) -> bool:
+    """Whether a draft tree's rows need the tree-attention fix: it branches before its end
+    (:func:`~vllm_entmtp.patches.tree_step.fix_rows_for`); a chain does not."""
     from vllm_entmtp.patches.tree_step import fix_rows_for
 
-    return step_key(tree.num_nodes, bool(fix_rows_for(list(tree.parents))))
+    return bool(fix_rows_for(list(tree.parents)))
+
+
+def tree_step_key(tree) -> str:
+    """:func:`step_key` of a draft tree (:class:`~vllm_entmtp.trees.Tree`): its node count, and
+    :func:`needs_attention_fix`."""
+    return step_key(tree.num_nodes, needs_attention_fix(tree))
 
 
 def parse_step_key(key: str) -> tuple[int, bool]:

@@ -53,6 +53,48 @@ def test_stdlib_function_prompts_of_this_python():
                for p in prompts)
 
 
+def test_package_function_prompts_keep_signature_and_first_paragraph(tmp_path):
+    (tmp_path / "lib" / "tests").mkdir(parents=True)
+    (tmp_path / "lib" / "algo.py").write_text(textwrap.dedent('''
+        @dispatch
+        def shortest(G, a,
+                     b=None):
+            """Return the shortest path from a to b in the graph G.
+
+            Parameters
+            ----------
+            G : graph
+            """
+            return G.path(a, b)
+
+        def tiny(x):
+            """Too short."""
+            return x
+
+        def only_doc(x):
+            """Return x unchanged, documented but without a body of its own."""
+
+        class K:
+            def m(self):
+                """Return a method's value, left out because methods are."""
+                return 1
+    '''))
+    (tmp_path / "lib" / "tests" / "t.py").write_text('def f():\n    """A test module, left out."""\n    return 1\n')
+    (tmp_path / "other").mkdir()
+    prompts = G.package_function_prompts(("lib", "missing"), root=tmp_path)
+    assert [p.id for p in prompts] == ["pycode/lib/algo.py:shortest"] and prompts[0].dataset == "pycode"
+    head = 'def shortest(G, a,\n             b=None):\n    """Return the shortest path from a to b in the graph G.\n    """'
+    assert prompts[0].messages == [{"role": "user", "content": HUMANEVAL_TEMPLATE.format(prompt=head)}]
+
+
+def test_pycode_prompts_of_this_environment():
+    prompts = G.generation_prompts("pycode")
+    assert len(prompts) > 2000 and len({p.id for p in prompts}) == len(prompts)
+    assert {p.id.split("/")[1] for p in prompts} >= {"networkx", "sympy", "numpy"}
+    assert all(p.messages[0]["content"].startswith("Complete this Python function:\n\n```python\ndef ")
+               and '"""' in p.messages[0]["content"] for p in prompts)
+
+
 def test_generation_prompts_are_train_split_seeded_and_unique():
     gsm = G.generation_prompts("gsm8k", 20, seed=0)
     assert len(gsm) == 20 and all(int(p.id.split("/")[1]) >= GSM8K_EVAL_ROWS for p in gsm)
@@ -65,7 +107,7 @@ def test_generation_prompts_are_train_split_seeded_and_unique():
     texts = [p.messages[0]["content"].strip() for p in share]
     assert len(texts) > 1000 and len(set(texts)) == len(texts) and not eval_texts.intersection(texts)
     assert all(len(t) < G.MAX_PROMPT_CHARS for t in texts)
-    with pytest.raises(ValueError, match="unknown self-distillation source 'chat'; valid: sharegpt, gsm8k, code"):
+    with pytest.raises(ValueError, match="unknown self-distillation source 'chat'; valid: sharegpt, gsm8k, code, pycode"):
         G.generation_prompts("chat")
 
 

@@ -19,7 +19,11 @@ Prompt sources (never an eval prompt; :mod:`vllm_entmtp.datasets`):
 * ``sharegpt``: first user turns of train-split ShareGPT conversations, minus those equal to an eval prompt;
 * ``gsm8k``: train-split GSM8K questions (rows 300-1318) in the eval prompts' template;
 * ``code``: "Complete this Python function" prompts (the HumanEval template) built from documented top-level
-  functions of the CPython standard library (signature and docstring); no HumanEval problem is used.
+  functions of the CPython standard library (signature and docstring); no HumanEval problem is used;
+* ``pycode``: the same template from documented top-level functions of pure-Python packages installed with
+  vLLM (:data:`PYCODE_PACKAGES`: networkx, sympy, numpy, ...): the signature and the docstring's first
+  paragraph only (their docstrings are long reference pages; HumanEval's are one paragraph). The standard
+  library gives only ~1,200 such prompts; code replies are where the heads gain most (HumanEval).
 
 Generation resumes: prompts whose id is already in ``DIR/<source>.jsonl`` are skipped, and lines are appended
 per batch, so an interrupted run loses at most one batch.
@@ -28,21 +32,28 @@ from __future__ import annotations
 
 import argparse
 import ast
+import inspect
 import json
 import random
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from vllm_entmtp.datasets import HUMANEVAL_TEMPLATE, Prompt, TrainingDoc, load_prompts, stdlib_sources
 
-SOURCES = ("sharegpt", "gsm8k", "code")
+SOURCES = ("sharegpt", "gsm8k", "code", "pycode")
 GEN_SUFFIX = "-gen"  # training source name of a source's generated replies: "sharegpt-gen", ...
 DEFAULT_COUNTS = {"sharegpt": 3000, "gsm8k": 1000, "code": 1000}
 MAX_PROMPT_CHARS = 2000
 MAX_PROMPT_TOKENS = 2048  # the engine's context: prompt (2,000 characters fit) + reply
 MAX_DOCSTRING_CHARS = 800
+MIN_SUMMARY_CHARS = 30  # pycode: a docstring's first paragraph shorter than this says too little to implement
+#: pure-Python packages of the vLLM environment whose documented functions make ``pycode`` prompts (pinned with
+#: vLLM's own requirements, so the prompt list is the same on every machine with that environment)
+PYCODE_PACKAGES = ("networkx", "sympy", "mpmath", "numpy", "jinja2", "pygments", "packaging", "requests",
+                   "click", "attr", "tqdm", "yaml", "dateutil")
 
 #: ``generate(list of chat messages) -> list of reply texts``, one reply per conversation, in order.
 GenerateFn = Callable[[list[list[dict]]], list[str]]
@@ -59,21 +70,63 @@ def stdlib_function_prompts(root: Path | None = None) -> list[Prompt]:
     and line. Private functions, methods, tests, and docstrings over ``MAX_DOCSTRING_CHARS`` are left out."""
     out = []
     for rel, text in stdlib_sources(root):
-        try:
-            tree = ast.parse(text)
-        except (SyntaxError, ValueError):
+        out += _function_prompts(rel, text, summary_only=False)
+    return out
+
+
+def package_function_prompts(packages: Sequence[str] = PYCODE_PACKAGES, root: Path | None = None) -> list[Prompt]:
+    """HumanEval-style prompts (source ``pycode``) from documented top-level functions of installed pure-Python
+    ``packages`` (folders under ``root``, default this interpreter's site-packages; a missing one is skipped):
+    the ``def`` line(s) and the first paragraph of the docstring (at least ``MIN_SUMMARY_CHARS``), decorators
+    left out of the prompt; functions whose body is only the docstring, private ones, methods and test folders
+    are left out. Sorted by package order, module path and line."""
+    import sysconfig
+
+    root = Path(root or sysconfig.get_paths()["purelib"])
+    skip = ("tests", "test", "testing", "benchmarks", "__pycache__")
+    out = []
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            rel = path.relative_to(root)
+            if any(part in skip for part in rel.parts[:-1]) or rel.name.startswith("test_"):
+                continue
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            out += _function_prompts(rel, text, summary_only=True, source="pycode")
+    return out
+
+
+def _function_prompts(rel: Path, text: str, summary_only: bool, source: str = "code") -> list[Prompt]:
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.splitlines()
+    out = []
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or not node.body:
             continue
-        lines = text.splitlines()
-        for node in tree.body:
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.decorator_list:
+        if node.decorator_list and not summary_only:
+            continue
+        doc = ast.get_docstring(node, clean=False)
+        if not doc:
+            continue
+        first = node.body[0]  # the docstring expression
+        if summary_only:
+            summary = inspect.cleandoc(doc).split("\n\n")[0].strip()
+            if len(summary) < MIN_SUMMARY_CHARS or len(node.body) < 2 or '"""' in summary:
                 continue
-            doc = ast.get_docstring(node, clean=False)
-            if not doc or len(doc) > MAX_DOCSTRING_CHARS or not node.body:
+            indent = " " * first.col_offset
+            body = textwrap.indent(summary, indent).lstrip()
+            head = "\n".join(lines[node.lineno - 1:first.lineno - 1] + [f'{indent}"""{body}\n{indent}"""'])
+        else:
+            if len(doc) > MAX_DOCSTRING_CHARS:
                 continue
-            first = node.body[0]  # the docstring expression
             head = "\n".join(lines[node.lineno - 1:first.end_lineno]).rstrip()
-            out.append(Prompt("code", f"code/{rel.as_posix()}:{node.name}",
-                              [{"role": "user", "content": HUMANEVAL_TEMPLATE.format(prompt=head)}]))
+        out.append(Prompt(source, f"{source}/{rel.as_posix()}:{node.name}",
+                          [{"role": "user", "content": HUMANEVAL_TEMPLATE.format(prompt=head)}]))
     return out
 
 
@@ -92,6 +145,8 @@ def generation_prompts(source: str, limit: int | None = None, seed: int = 0) -> 
         prompts = load_prompts("gsm8k", split="train")
     elif source == "code":
         prompts = stdlib_function_prompts()
+    elif source == "pycode":
+        prompts = package_function_prompts()
     else:
         raise ValueError(f"unknown self-distillation source {source!r}; valid: {', '.join(SOURCES)}")
     prompts = [p for p in prompts if len(p.messages[-1]["content"]) < MAX_PROMPT_CHARS]

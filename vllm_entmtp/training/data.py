@@ -113,9 +113,11 @@ def training_docs(sources: list[str], generated: str | Path | None = None) -> di
 
 
 def build_plan(tok, positions: int, mix: dict[str, float], max_len: int, seed: int,
-               num_label_heads: int = 5, generated: str | Path | None = None) -> list[PlannedSeq]:
+               num_label_heads: int = 5, generated: str | Path | None = None,
+               exclude: set[str] | frozenset[str] = frozenset()) -> list[PlannedSeq]:
     """Pick documents per source (seeded shuffle of the train split) until each source has
-    ``positions * mix[source]`` labelled positions (:func:`training_docs`)."""
+    ``positions * mix[source]`` labelled positions (:func:`training_docs`); documents whose id is in ``exclude``
+    are skipped (those of ``--extra-data``)."""
     docs = training_docs([s for s, f in mix.items() if f > 0], generated)
     plan: list[PlannedSeq] = []
     for source, frac in mix.items():
@@ -127,6 +129,8 @@ def build_plan(tok, positions: int, mix: dict[str, float], max_len: int, seed: i
         for d in order:
             if got >= budget:
                 break
+            if d.id in exclude:
+                continue
             r = render(tok, d.messages, max_len)
             if r is None:
                 continue
@@ -139,13 +143,14 @@ def build_plan(tok, positions: int, mix: dict[str, float], max_len: int, seed: i
 
 
 def load_or_build_plan(data_dir: Path, tok, positions: int, mix: dict[str, float], max_len: int, seed: int,
-                       log=print, generated: str | Path | None = None) -> list[PlannedSeq]:
+                       log=print, generated: str | Path | None = None,
+                       exclude: set[str] | frozenset[str] = frozenset()) -> list[PlannedSeq]:
     path = data_dir / PLAN_NAME
     if path.is_file():
         raw = json.loads(path.read_text())
         return [PlannedSeq(**s) for s in raw["seqs"]]
     t0 = time.time()
-    plan = build_plan(tok, positions, mix, max_len, seed, generated=generated)
+    plan = build_plan(tok, positions, mix, max_len, seed, generated=generated, exclude=exclude)
     data_dir.mkdir(parents=True, exist_ok=True)
     _atomic_write(path, lambda p: p.write_text(json.dumps({"seqs": [s.__dict__ for s in plan]})))
     log(f"data plan: {len(plan)} sequences, {sum(len(s.ids) for s in plan):,} tokens "

@@ -118,11 +118,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(python -m vllm_entmtp.training.record) instead of the text cache")
     p.add_argument("--mix", type=_parse_mix, default=dict(D.DEFAULT_MIX),
                    help="share of positions per source: sharegpt, gsm8k, code (dataset text) and sharegpt-gen, "
-                        "gsm8k-gen, code-gen (the target's own replies, from --generated) (default: "
+                        "gsm8k-gen, code-gen, pycode-gen (the target's own replies, from --generated) (default: "
                         "sharegpt=0.7,gsm8k=0.15,code=0.15)")
     p.add_argument("--generated", default=None, metavar="DIR",
                    help="folder of the target's own replies (vllm-entmtp self-distill --out DIR), for the "
                         "*-gen sources of --mix")
+    p.add_argument("--extra-data", action="append", default=[], metavar="WORK_DIR",
+                   help="also train on the cached data of another train-heads work dir (same target and "
+                        "--max-len; its target pass complete); this run's plan leaves out the documents it holds. "
+                        "Repeatable. Adds new replies to an earlier run's data without a second target pass over it")
     p.add_argument("--max-len", type=int, default=512, help="tokens per sequence (default: %(default)s)")
     p.add_argument("--heldout-percent", type=float, default=3.0,
                    help="sequences held out for evaluation (default: %(default)s)")
@@ -165,7 +169,8 @@ def _data_text(mix: dict[str, float], generated: str | None) -> str:
                      "stdlib code; see vllm_entmtp.datasets")
     if any(s.endswith(GEN_SUFFIX) and f > 0 for s, f in mix.items()):
         parts.append(f"the target's own greedy replies from `vllm-entmtp self-distill` in {generated} (train-split "
-                     "ShareGPT and GSM8K prompts, HumanEval-style prompts from stdlib functions)")
+                     "ShareGPT and GSM8K prompts, HumanEval-style prompts from documented functions of the standard "
+                     "library and of pure-Python packages)")
     return "; ".join(parts)
 
 
@@ -199,6 +204,13 @@ def prepare_data(args, model_dir: str, log=_log) -> tuple[D.CachedData, dict]:
            "seed": args.seed}
     if getattr(args, "generated", None):  # only then: work dirs of text-only data keep their config
         cfg["generated"] = str(Path(args.generated).resolve())
+    extra_paths, exclude = [], set()
+    if getattr(args, "extra_data", None):
+        cfg["extra_data"] = [str(Path(x).resolve()) for x in args.extra_data]
+        for x in args.extra_data:
+            paths, ids = extra_data(Path(x), str(model_dir), args.max_len, args.shard_tokens)
+            extra_paths += paths
+            exclude |= ids
     cfg_file = data_dir / "data_config.json"
     if cfg_file.is_file():
         old = json.loads(cfg_file.read_text())
@@ -208,7 +220,7 @@ def prepare_data(args, model_dir: str, log=_log) -> tuple[D.CachedData, dict]:
     cfg_file.write_text(json.dumps(cfg, indent=2))
     tok, model = _load_target(model_dir)
     plan = D.load_or_build_plan(data_dir, tok, args.positions, args.mix, args.max_len, args.seed, log=log,
-                                generated=getattr(args, "generated", None))
+                                generated=getattr(args, "generated", None), exclude=exclude)
     n_shards = len(D.shard_ranges(plan, args.shard_tokens))
     if args.shards is not None:
         plan = plan[:D.shard_ranges(plan, args.shard_tokens)[min(args.shards, n_shards) - 1][1]]
@@ -223,8 +235,35 @@ def prepare_data(args, model_dir: str, log=_log) -> tuple[D.CachedData, dict]:
         W = model.get_output_embeddings().weight.detach()
         paths = D.cache_shards(model, W, plan, data_dir, args.shard_tokens, args.target_batch_tokens,
                                tok.pad_token_id if tok.pad_token_id is not None else 0, log=log)
-    data = D.load_shards(paths)
+    if extra_paths:
+        log(f"--extra-data: {len(extra_paths)} cached shards of {', '.join(args.extra_data)} besides these {len(paths)}")
+    data = D.load_shards(paths + extra_paths)
     return data, _target_info(model)
+
+
+def extra_data(work_dir: Path, model_dir: str, max_len: int, shard_tokens: int) -> tuple[list[Path], set[str]]:
+    """The cached shards of another work dir and the ids of the documents they hold (``--extra-data``).
+
+    Raises:
+        SystemExit: not a work dir with a complete target pass, or one of another target or ``--max-len``
+            (names the folder and both values).
+    """
+    data_dir = work_dir / "data"
+    cfg_file, plan_file = data_dir / "data_config.json", data_dir / D.PLAN_NAME
+    if not cfg_file.is_file() or not plan_file.is_file():
+        raise SystemExit(f"--extra-data {work_dir}: no train-heads data there ({cfg_file} and {plan_file})")
+    cfg = json.loads(cfg_file.read_text())
+    for key, want in (("model", str(model_dir)), ("max_len", max_len)):
+        if cfg.get(key) != want:
+            raise SystemExit(f"--extra-data {work_dir}: its data has {key}={cfg.get(key)!r}, this run {want!r}")
+    plan = [D.PlannedSeq(**x) for x in json.loads(plan_file.read_text())["seqs"]]
+    paths = [data_dir / f"shard-{k:05d}.pt" for k in range(len(D.shard_ranges(plan, shard_tokens)))]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise SystemExit(f"--extra-data {work_dir}: its target pass is incomplete ({len(missing)} of {len(paths)} "
+                         f"shards missing, e.g. {missing[0]}; run train-heads --cache-only there first, with the "
+                         f"same --shard-tokens)")
+    return paths, {x.doc_id for x in plan}
 
 
 def _target_info(model) -> dict:
@@ -634,7 +673,8 @@ def run(args: argparse.Namespace) -> int:
                   "text": "greedy generations of the target in vLLM (vllm_entmtp.training.record)"}
                  if args.recorded else
                  {**counts, "mix": args.mix, "max_len": args.max_len, "heldout_percent": args.heldout_percent,
-                  "text": _data_text(args.mix, args.generated)}),
+                  "text": _data_text(args.mix, args.generated),
+                  **({"extra_data": list(args.extra_data)} if getattr(args, "extra_data", None) else {})}),
         "training": {**train_key, "steps": step, "train_wall_s": round(train_wall, 1)},
         "seed": args.seed,
         "heldout": ev,

@@ -160,7 +160,9 @@ def load_text(result: dict) -> str:
     if n == 1:
         return "one request at a time"
     cap = result.get("max_verify_tokens_per_step")
-    return f"{n} requests in flight" + (f", max_verify_tokens_per_step {cap}" if cap else "")
+    load = result.get("load_policy")
+    return (f"{n} requests in flight" + (f", load_policy {load}" if load else "")
+            + (f", max_verify_tokens_per_step {cap}" if cap else ""))
 
 
 def markdown_report(results: list[dict], max_loss: float = 0.02) -> str:
@@ -233,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="requests in flight per phase (default 1: one at a time)")
     ap.add_argument("--max-verify-tokens-per-step", type=int, default=None,
                     help="the engine's load cap (the option of the same name; default: the option's default)")
+    ap.add_argument("--load-policy", choices=("cost", "cap"), default=None,
+                    help="the engine's load_policy (the option of the same name; default: the option's default)")
     ap.add_argument("--all-trees", action="store_true",
                     help="every tree of the set statically, not only the schedule's")
     ap.add_argument("--policy", choices=("entropy", "confidence"), default=None,
@@ -288,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         spec["model"] = args.heads
     if args.max_verify_tokens_per_step is not None:
         spec["max_verify_tokens_per_step"] = args.max_verify_tokens_per_step
+    if args.load_policy is not None:
+        spec["load_policy"] = args.load_policy
     job = {"model": args.model or str(prepare_default_model()), "speculative_config": spec, "dtype": args.dtype,
            "max_model_len": 2048, "max_num_seqs": max(4, args.concurrency), "conversations": convs,
            "max_tokens": args.max_tokens, "engine_args": {"enforce_eager": not args.compiled},
@@ -320,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"tree_set": str(shown), "prompt_set": args.prompt_set, "num_prompts": len(prompts),
               "max_tokens": args.max_tokens, "repeats": args.repeats, "dtype": args.dtype,
               "concurrency": args.concurrency, "max_verify_tokens_per_step": args.max_verify_tokens_per_step,
-              "compiled": args.compiled, "phases": phases,
+              "load_policy": args.load_policy, "compiled": args.compiled, "phases": phases,
               **summary}
     print(f"{args.prompt_set}: {len(prompts)} prompts x {args.max_tokens} tokens, tree set {ts.name}, "
           f"{args.repeats} round(s), {args.dtype}, one {'compiled' if args.compiled else 'eager'} engine, "

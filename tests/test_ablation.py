@@ -71,6 +71,8 @@ def test_markdown_report_verdict(tmp_path, capsys):
     assert "one eager engine, one request at a time." in text
     loaded = dict(good[0], concurrency=16, max_verify_tokens_per_step=24, compiled=True)
     assert "one compiled engine, 16 requests in flight, max_verify_tokens_per_step 24." in ab.markdown_report([loaded])
+    loaded["load_policy"] = "cap"
+    assert "16 requests in flight, load_policy cap, max_verify_tokens_per_step 24." in ab.markdown_report([loaded])
 
 
 def test_make_llm_is_eager_unless_told(monkeypatch):

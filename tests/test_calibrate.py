@@ -359,7 +359,7 @@ def test_build_trees_end_to_end(tiny_model, tmp_path, capsys):
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps({"step_cost_by_nodes": {"1": 1.01, "2": 1.02, "3": 1.03, "24": 1.24}}))
     rc, out = _build(tmp_path, model, tmp_path / "hydra", "--jsonl", str(jsonl), "--name", "hy", "--signal",
-                     "confidence", "--bins", "2", "--step-costs", str(costs))
+                     "confidence", "--bins", "2", "--step-costs", str(costs), "--decode-row-cost", "0.1")
     assert rc == 0 and "2 prompt(s) done" in capsys.readouterr().err
     ts = load_tree_set(str(out), num_heads=3)
     cal = ts.metadata[ts.ids[0]]["calibration"]
@@ -374,6 +374,8 @@ def test_build_trees_end_to_end(tiny_model, tmp_path, capsys):
         md = ts.metadata[tid]
         assert md["cost"]["total"] == pytest.approx(1 + 0.01 * md["num_nodes"], abs=1e-4)
     sched = TreeScheduler.from_config(EntMTPConfig(policy="confidence", tree_set=str(out)), ts)
+    assert cal["cost"]["decode_row_cost"] == 0.1  # the load cost model reads it, and every tree's statistics
+    assert sched.cost_model and sched.decode_row_cost == 0.1
     with pytest.raises(Exception, match="signal 'confidence'"):
         TreeScheduler.from_config(EntMTPConfig(policy="entropy", tree_set=str(out)), ts)
     assert sched.policy == "confidence"
@@ -396,7 +398,8 @@ def test_build_trees_bad_inputs(tiny_model, tmp_path):
     make_heads(tmp_path / "ok", hidden_size=32, vocab_size=vocab, num_heads=2)
     for opt, msg in ((["--edges", "0.5,0.2"], "strictly increasing"),
                      (["--signal", "confidence", "--edges", "0.2,0.5"], "strictly decreasing"),
-                     (["--step-costs", str(tmp_path / "absent.json")], "--step-costs")):
+                     (["--step-costs", str(tmp_path / "absent.json")], "--step-costs"),
+                     (["--decode-row-cost", "2"], "--decode-row-cost 2.0: expected a number in")):
         with pytest.raises(SystemExit, match=msg):  # before any statistics are computed
             _build(tmp_path, model, tmp_path / "ok", "--prompt-set", "humaneval", *opt)
 

@@ -254,3 +254,87 @@ def test_calibration_mismatches_name_the_options_that_differ():
     assert off == ["confidence_window=4 (the set was calibrated with 1)",
                    "confidence_heads=2 (the set was calibrated with 1)"]
     assert calibration_mismatches(load_tree_set("ladder"), EntMTPConfig()) == []  # hand-made: no calibration
+
+
+# -- cost model (load_policy "cost") ------------------------------------------------------------------------------
+
+def _costed_set(decode_row_cost=None):
+    """big (4 nodes) and small (1 node) with build-trees metadata: 4 calibration bins of the confidence, a ladder
+    of 3 rungs (big, small, none) whose middle rung holds calibration bins 1 and 2."""
+    cal = {"signal": "confidence", "edges": [0.6, 0.45, 0.3], "cost": {}}
+    if decode_row_cost is not None:
+        cal["cost"]["decode_row_cost"] = decode_row_cost
+    meta = {"big": {"expected_accepted_per_bin": [1.5, 0.8, 0.3, 0.1], "cost": {"total": 1.4}, "calibration": cal},
+            "small": {"expected_accepted_per_bin": [0.7, 0.45, 0.12, 0.05], "cost": {"total": 1.15}}}
+    sched = Schedule(signal="confidence", thresholds=(0.6, 0.3), tree_ids=("big", "small", "none"))
+    return TreeSet(name="c", source=Path("c.json"), heads_kind="hydra", num_heads=4, description="",
+                   trees=[("big", TREES["mid"]), ("small", TREES["one"])], metadata=meta, schedule=sched)
+
+
+def _cost_sched(**kw):
+    return TreeScheduler(_costed_set(kw.pop("set_d", None)), "confidence", hysteresis=0.0, warmup_steps=0, **kw)
+
+
+def test_cost_model_at_one_request_drops_only_trees_expected_to_lose():
+    s = _cost_sched()
+    assert s.cost_model and s.cost_model_missing is None and s.decode_row_cost == 0.067
+    assert ids(s.choose(["a"], [conf(0.9)])) == ["big"]     # 2.5 tokens in 1.4 steps
+    assert ids(s.choose(["b"], [conf(0.5)])) == ["small"]   # calibration bin 1: 1.45 tokens in 1.15 steps
+    assert ids(s.choose(["c"], [conf(0.35)])) == [None]     # bin 2: 1.12 tokens in 1.15 steps, below plain
+    assert s.current_bin("c") == 1  # the signal's bin is kept; only this step drafts nothing
+    assert s.stats.cost_stepdowns == 1 and s.stats.no_draft == 1
+
+
+def test_cost_model_steps_the_ladder_down_as_the_batch_grows():
+    # all confident: big pays at 1 and 2 requests, small at 4, nothing at 16 (the step's fixed cost is shared,
+    # each request's drafting and rows are not)
+    for batch, want in ((1, "big"), (2, "big"), (4, "small"), (16, None)):
+        s = _cost_sched()
+        rids = [f"r{i}" for i in range(batch)]
+        assert ids(s.choose(rids, [conf(0.9)] * batch)) == [want] * batch, batch
+    s = _cost_sched()
+    assert s.step_cost([0, 0, 1, 2]) == pytest.approx(1 + 3 * 0.067 + 0.4 + 0.4 + 0.15)
+
+
+def test_cost_model_steps_down_the_least_profitable_requests_first():
+    s = _cost_sched()
+    # two confident (big: 3.2 tokens per step saved), two unsure (small: 3.0): the unsure drop first, the later
+    # request first on a tie; then both big ones step to small, where they stay
+    out = s.choose(["a", "b", "c", "d"], [conf(0.9), conf(0.9), conf(0.5), conf(0.5)])
+    assert ids(out) == ["small", "small", None, None]
+    assert s.stats.cost_stepdowns == 4 and s.stats.no_draft == 2
+    # a request still in warm-up (no signal) counts the mean over the calibration bins
+    w = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=5)
+    assert w.expected_accepted(0, None) == pytest.approx((1.5 + 0.8 + 0.3 + 0.1) / 4)
+    assert ids(w.choose(["x"], [conf(0.9, updates=0)])) == ["big"]  # 1.675 tokens in 1.4 steps
+
+
+def test_cost_model_options_and_when_it_does_not_apply():
+    assert _cost_sched(set_d=0.2).decode_row_cost == 0.2  # the calibration's value
+    assert _cost_sched(set_d=0.2, decode_row_cost=0.0).decode_row_cost == 0.0  # the option's
+    free = _cost_sched(decode_row_cost=1.0)  # each request costs a whole step: the big trees pay again at 16
+    assert ids(free.choose([f"r{i}" for i in range(16)], [conf(0.9)] * 16)) == ["big"] * 16
+    cap = _cost_sched(load_policy="cap")
+    assert not cap.cost_model and ids(cap.choose([f"r{i}" for i in range(16)], [conf(0.9)] * 16)) == ["big"] * 16
+    assert cap.stats.cost_stepdowns == 0
+    static = TreeScheduler(_costed_set(), "static")
+    assert not static.cost_model and "static" in static.cost_model_missing
+    plain = TreeScheduler(_set(CONF), "confidence")  # no build-trees metadata: the cap only
+    assert not plain.cost_model and "no build-trees calibration" in plain.cost_model_missing
+    meta = _costed_set().metadata
+    del meta["small"]["cost"]
+    broken = TreeSet(name="c", source=Path("c.json"), heads_kind="hydra", num_heads=4, description="",
+                     trees=[("big", TREES["mid"]), ("small", TREES["one"])], metadata=meta,
+                     schedule=_costed_set().schedule)
+    assert "tree 'small'" in TreeScheduler(broken, "confidence").cost_model_missing
+    with pytest.raises(SchedulerError, match="unknown load_policy 'fair'"):
+        _cost_sched(load_policy="fair")
+    for bad in (-0.1, 1.5, float("nan"), True):
+        with pytest.raises(SchedulerError, match="decode_row_cost must be a number in"):
+            _cost_sched(decode_row_cost=bad)
+    opts = EntMTPConfig(policy="confidence", tree_set="x", load_policy="cap", decode_row_cost=0.1)
+    s = TreeScheduler.from_config(opts, _costed_set())
+    assert s.load_policy == "cap" and s.decode_row_cost == 0.1
+    for bad in (dict(load_policy="none"), dict(decode_row_cost=2.0)):
+        with pytest.raises(ValueError):
+            EntMTPConfig(**bad)

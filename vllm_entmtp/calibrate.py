@@ -1152,6 +1152,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="step costs measured inside vLLM (\"step_cost_by_nodes\" of benchmarks/ablation.py "
                         "results), used instead of timing a transformers forward and the drafter here; with "
                         "several files (runs), each cost is the median over the files that measured it")
+    p.add_argument("--decode-row-cost", type=float, default=None,
+                   help="what one more request's decode row adds to a step, in one-request plain steps, measured "
+                        "on this hardware (e.g. the slope of plain decoding's step time over batch sizes, "
+                        "benchmarks/step_profile.py); recorded as calibration.cost.decode_row_cost for the "
+                        "scheduler's load cost model (default: not recorded; the scheduler's default applies)")
     p.add_argument("--cost-context", type=_positive(int), default=256,
                    help="KV-cache tokens before the timed verification forwards (default: %(default)s)")
     p.add_argument("--cost-repeats", type=_positive(int), default=7,
@@ -1194,6 +1199,9 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.max_rank > RANK_STORE_CAP:
         raise ValueError(f"--max-rank {args.max_rank} exceeds {RANK_STORE_CAP}")
+    if args.decode_row_cost is not None and not (0 <= args.decode_row_cost <= 1):
+        raise ValueError(f"--decode-row-cost {args.decode_row_cost}: expected a number in [0, 1] (a fraction of a "
+                         "one-request plain step)")
     given_edges = edge_scores(args.edges, args.signal) if args.edges else None  # bad edges fail before any work
     step_costs = read_step_costs(args.step_costs) if args.step_costs else None
     if args.threads:
@@ -1298,6 +1306,8 @@ def _run(args: argparse.Namespace) -> int:
         "assumptions": "heads independent across depths (P(node) = prod_i P[i][r_i]); the signal is the "
                        "tracker's EMA updated once per generated token (the engine updates once per step)",
     }
+    if args.decode_row_cost is not None:
+        calibration["cost"]["decode_row_cost"] = args.decode_row_cost
     if args.step_costs:
         calibration["cost"]["step_costs"] = {"files": [display_path(f) for f in args.step_costs],
                                              "combined": "median per key over the files that measured it",

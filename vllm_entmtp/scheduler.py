@@ -33,12 +33,28 @@ Warm-up: while a request has fewer than ``warmup_steps`` signal updates, or its 
 drafts the default tree (``default_tree_id``, else the ladder's bin 0); its first decision after warm-up is
 the plain mapping (no hysteresis, as it holds no bin yet).
 
-Load: :func:`node_budget` gives the draft nodes a step may verify: ``max_verify_tokens_per_step`` (default
-:data:`DEFAULT_MAX_VERIFY_TOKENS` = 64, a guess at where verification on this CPU stops paying; with 16 requests
-of at most 2 draft tokens, 48 rows, drafting still gained 25-38 % here: ``benchmarks/results/load-2026-11-30/``)
-minus one root row per request. :meth:`TreeScheduler.choose` then, while the chosen trees'
-nodes exceed the budget, steps the request with the largest tree one bin down (a tie goes to the request
-later in the batch), the last bin stepping down to no drafting (``None``).
+Load, two rules applied in this order (the bin a request's signal holds is never changed by either):
+
+1. **Cost model** (``load_policy="cost"``, the default, for sets built by ``vllm-entmtp build-trees``; not for
+   ``"static"``): keep the trees that raise the step's expected tokens per unit of time. Every tree of such a set
+   records its expected accepted draft tokens per calibration bin (``metadata.expected_accepted_per_bin``; the
+   request's bin comes from its signal and the calibration's ``edges``; a request without a signal yet counts the
+   mean over the bins, which hold equal shares of the calibration positions) and its measured cost at one request
+   (``metadata.cost.total``, in plain decoding steps, drafting included). The step of ``B`` requests is modelled
+   as ``1 + d * (B - 1)`` plain one-request steps (``d``: ``decode_row_cost``, what one more request's decode row
+   adds) plus ``cost.total - 1`` per drafting request, and yields ``B + sum(accepted)`` tokens. While stepping a
+   request one rung down the ladder (to ``"none"`` past the last) gives up fewer tokens per unit of time saved
+   (``dA / dT``) than the step's current ratio ``tokens / time``, the request with the smallest ``dA / dT`` steps
+   down; ties go to the later request. At one request this drops a tree only where its expected speed-up is below
+   1; as ``B`` grows the ratio rises (a batch amortises the step's fixed cost) and only trees whose accepted tokens
+   pay for their rows stay: the batch-size rule of the brief ("never slower than no speculation"). Source: the
+   break-even argument of Sequoia (Chen et al. 2024, section 4: the tree size that maximises tokens per second
+   depends on the hardware's cost of verifying more tokens) applied per request.
+2. **Cap**: :func:`node_budget` gives the draft nodes a step may verify: ``max_verify_tokens_per_step``
+   (default :data:`DEFAULT_MAX_VERIFY_TOKENS` = 64) minus one root row per request. :meth:`TreeScheduler.choose`
+   then, while the chosen trees' nodes exceed the budget, steps the request with the largest tree one bin down (a
+   tie goes to the request later in the batch), the last bin stepping down to no drafting (``None``). A hard
+   bound whatever the model says; with ``load_policy="cap"`` the only rule.
 """
 from __future__ import annotations
 
@@ -53,6 +69,11 @@ from vllm_entmtp.errors import EntMTPError
 from vllm_entmtp.trees import NO_DRAFT_ID, Tree, TreeSet
 
 POLICIES = ("static", "entropy", "confidence")
+LOAD_POLICIES = ("cost", "cap")
+DEFAULT_DECODE_ROW_COST = 0.067
+"""What one more request's decode row adds to a step, in one-request plain steps, when the tree set does not say:
+the slope of plain decoding's time per output token over 1, 4 and 16 requests in flight in the compiled servers of
+``benchmarks/results/compare-2026-11-30/`` (HumanEval: 76.0, 94.6 and 155.6 ms; 5.1 ms per request / 76 ms)."""
 DEFAULT_MAX_VERIFY_TOKENS = 64
 """Default cap on the tokens verified per step (draft nodes + one root per request), see :func:`node_budget`."""
 DEFAULT_HYSTERESIS = 0.05
@@ -88,8 +109,9 @@ class SchedulerStats:
     warmup: int = 0             # of which in warm-up (or without a signal yet): default tree
     switches: int = 0           # a request's signal moved it to another bin
     held_by_hysteresis: int = 0  # the plain mapping said another bin, the margin kept the request where it was
+    cost_stepdowns: int = 0     # single-bin steps down by the cost model (load_policy "cost")
     budget_stepdowns: int = 0   # single-bin steps down to fit the node budget
-    no_draft: int = 0           # request-steps left without a tree by the budget
+    no_draft: int = 0           # request-steps left without a tree by the cost model or the budget
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -108,18 +130,26 @@ class TreeScheduler:
             ``"static"`` the set's largest tree (the static policy's tree).
         max_verify_tokens_per_step: for :meth:`node_budget` (None: 64).
         entropy_range: the fallback ladder's entropy range in nats (unused with a schedule).
+        load_policy: ``"cost"`` (the module's cost model, then the cap) or ``"cap"`` (the cap only). The cost
+            model needs a set whose ladder trees carry ``build-trees`` metadata for this policy's signal;
+            otherwise only the cap applies and :attr:`cost_model_missing` says why.
+        decode_row_cost: ``d`` of the cost model, in one-request plain steps per request; None: the tree set's
+            calibration ``cost.decode_row_cost`` when it has one, else :data:`DEFAULT_DECODE_ROW_COST`.
 
     Raises:
-        SchedulerError: unknown policy, a schedule for the other signal, a default tree outside the ladder,
-            a bad number.
+        SchedulerError: unknown policy or load policy, a schedule for the other signal, a default tree outside
+            the ladder, a bad number.
     """
 
     def __init__(self, tree_set: TreeSet, policy: str = "entropy", *, hysteresis: float | None = None,
                  warmup_steps: int = 2, default_tree_id: str | None = None,
                  max_verify_tokens_per_step: int | None = None,
-                 entropy_range: tuple[float, float] = DEFAULT_ENTROPY_RANGE):
+                 entropy_range: tuple[float, float] = DEFAULT_ENTROPY_RANGE,
+                 load_policy: str = "cost", decode_row_cost: float | None = None):
         if policy not in POLICIES:
             raise SchedulerError(f"unknown policy {policy!r}; allowed: {', '.join(POLICIES)}")
+        if load_policy not in LOAD_POLICIES:
+            raise SchedulerError(f"unknown load_policy {load_policy!r}; allowed: {', '.join(LOAD_POLICIES)}")
         self.tree_set = tree_set
         self.policy = policy
         sched = tree_set.schedule
@@ -174,6 +204,67 @@ class TreeScheduler:
 
         self._bins: dict[str, int] = {}
         self.stats = SchedulerStats()
+        self.load_policy = load_policy
+        self.cost_model_missing: str | None = None
+        self._cal_edges: list[float] = []
+        self._acc: list[list[float]] = []    # per ladder bin: expected accepted draft tokens per calibration bin
+        self._extra: list[float] = []        # per ladder bin: step cost above a plain step (plain steps)
+        if load_policy == "cost":
+            self.cost_model_missing = self._init_cost_model()
+        if decode_row_cost is None:
+            decode_row_cost = self._calibrated_decode_row_cost()
+        if not (isinstance(decode_row_cost, (int, float)) and not isinstance(decode_row_cost, bool)
+                and math.isfinite(decode_row_cost) and 0 <= decode_row_cost <= 1):
+            raise SchedulerError(f"decode_row_cost must be a number in [0, 1], got {decode_row_cost!r}")
+        self.decode_row_cost = float(decode_row_cost)
+
+    @property
+    def cost_model(self) -> bool:
+        """Whether :meth:`choose` applies the cost model (load policy ``"cost"``, a non-static policy, and a set
+        with the metadata it needs)."""
+        return self.load_policy == "cost" and self.policy != "static" and self.cost_model_missing is None
+
+    def _calibration(self) -> dict:
+        ts = self.tree_set
+        return ts.metadata.get(ts.ids[0], {}).get("calibration", {}) if ts.ids else {}
+
+    def _calibrated_decode_row_cost(self) -> float:
+        d = self._calibration().get("cost", {}).get("decode_row_cost")
+        return DEFAULT_DECODE_ROW_COST if d is None else d
+
+    def _init_cost_model(self) -> str | None:
+        """Fill the cost model's tables from the tree set's metadata; return why it cannot apply (None: it can)."""
+        if self.policy == "static":
+            return "the static policy drafts one tree for everyone"
+        cal = self._calibration()
+        if cal.get("signal") != self.policy or not isinstance(cal.get("edges"), list):
+            return (f"tree set {self.tree_set.source} has no build-trees calibration for the {self.policy!r} "
+                    f"signal (metadata.calibration.signal and edges)")
+        edges = sorted(self._sign * float(e) for e in cal["edges"])
+        nbins = len(edges) + 1
+        acc, extra = [], []
+        for tid, tree in zip(self.ladder_ids, self.ladder):
+            if tree is None:
+                acc.append([0.0] * nbins)
+                extra.append(0.0)
+                continue
+            meta = self.tree_set.metadata.get(tid, {})
+            per_bin = meta.get("expected_accepted_per_bin")
+            total = meta.get("cost", {}).get("total") if isinstance(meta.get("cost"), dict) else None
+            if not isinstance(per_bin, list) or len(per_bin) != nbins or not isinstance(total, (int, float)):
+                return (f"tree {tid!r} of tree set {self.tree_set.source} lacks metadata.expected_accepted_per_bin "
+                        f"({nbins} bins) or metadata.cost.total")
+            acc.append([float(a) for a in per_bin])
+            extra.append(max(0.0, float(total) - 1.0))
+        self._cal_edges, self._acc, self._extra = edges, acc, extra
+        return None
+
+    def calibration_bin(self, value: float | None) -> int | None:
+        """The calibration bin of a signal value (None: no signal yet), for the cost model's expectations."""
+        if value is None or not math.isfinite(value):
+            return None
+        s = self._sign * value
+        return sum(1 for e in self._cal_edges if s >= e)
 
     @classmethod
     def from_config(cls, options: Any, tree_set: TreeSet) -> TreeScheduler:
@@ -187,7 +278,8 @@ class TreeScheduler:
             return cls(tree_set, options.policy,
                        hysteresis=options.hysteresis if "hysteresis" in given else None,
                        warmup_steps=options.warmup_steps, default_tree_id=options.tree_id,
-                       max_verify_tokens_per_step=options.max_verify_tokens_per_step)
+                       max_verify_tokens_per_step=options.max_verify_tokens_per_step,
+                       load_policy=options.load_policy, decode_row_cost=options.decode_row_cost)
         except SchedulerError as e:
             raise SchedulerError(f"method 'entmtp' (policy, tree_set, tree_id): {e}") from None
 
@@ -245,6 +337,11 @@ class TreeScheduler:
             budget_nodes: the most draft nodes the batch may carry in all (e.g. :meth:`node_budget`); None:
                 no limit. When the chosen trees exceed it, the request with the largest tree steps down one bin
                 (ties: the later one in ``req_ids``), repeatedly, the last bin stepping to no drafting.
+
+        The cost model (:attr:`cost_model`; module docstring) applies first, for the batch ``req_ids``.
+
+        Raises:
+            ValueError: as many signals as request ids are needed; ``budget_nodes`` must be an int >= 0 or None.
         """
         if len(signals) != len(req_ids):
             raise ValueError(f"choose: {len(signals)} signals for {len(req_ids)} request ids")
@@ -252,11 +349,58 @@ class TreeScheduler:
                                          or budget_nodes < 0):
             raise ValueError(f"budget_nodes must be an int >= 0 or None, got {budget_nodes!r}")
         bins = [self._decide(r, s) for r, s in zip(req_ids, signals)]
+        if self.cost_model and bins:
+            self._fit_cost(bins, [self.calibration_bin(self.signal_value(s)) for s in signals])
         if budget_nodes is not None:
             self._fit(bins, budget_nodes)
         k = len(self.ladder)
         return [(self.ladder_ids[b], self.ladder[b]) if b < k and self.ladder[b] is not None else (None, None)
                 for b in bins]
+
+    def expected_accepted(self, ladder_bin: int, cal_bin: int | None) -> float:
+        """The cost model's expected accepted draft tokens of ladder bin ``ladder_bin`` (``K``: no drafting) for a
+        request in calibration bin ``cal_bin`` (None: the mean over the bins)."""
+        if ladder_bin >= len(self.ladder):
+            return 0.0
+        per_bin = self._acc[ladder_bin]
+        return sum(per_bin) / len(per_bin) if cal_bin is None else per_bin[cal_bin]
+
+    def step_cost(self, bins: Sequence[int]) -> float:
+        """The cost model's time of a step whose requests draft the trees of ladder bins ``bins``, in plain
+        one-request steps: ``1 + d * (B - 1)`` plus each drafting tree's measured extra cost."""
+        k = len(self.ladder)
+        return 1.0 + self.decode_row_cost * (len(bins) - 1) + sum(self._extra[b] for b in bins if b < k)
+
+    def _fit_cost(self, bins: list[int], cal_bins: list[int | None]) -> None:
+        """Step bins down in place while a step down gives up fewer expected tokens per unit of time saved than
+        the step's tokens per unit of time (bin ``K`` = no drafting)."""
+        k = len(self.ladder)
+        tokens = len(bins) + sum(self.expected_accepted(b, c) for b, c in zip(bins, cal_bins))
+        time = self.step_cost(bins)
+
+        def move(i: int):  # (dA / dT, -i, dA, dT) of request i's next step down, or None
+            b = bins[i]
+            if b >= k:
+                return None
+            d_t = self._extra[b] - (self._extra[b + 1] if b + 1 < k else 0.0)
+            if d_t <= 0:
+                return None
+            d_a = self.expected_accepted(b, cal_bins[i]) - self.expected_accepted(b + 1, cal_bins[i])
+            return (d_a / d_t, -i, d_a, d_t)
+
+        heap = [m for m in (move(i) for i in range(len(bins))) if m is not None]
+        heapq.heapify(heap)
+        while heap and heap[0][0] < tokens / time:
+            _, neg_i, d_a, d_t = heapq.heappop(heap)
+            i = -neg_i
+            bins[i] += 1
+            tokens, time = tokens - d_a, time - d_t
+            self.stats.cost_stepdowns += 1
+            if bins[i] >= k or self.ladder[bins[i]] is None:
+                self.stats.no_draft += 1
+            m = move(i)
+            if m is not None:
+                heapq.heappush(heap, m)
 
     def _fit(self, bins: list[int], budget: int) -> None:
         """Step bins down in place until the nodes fit ``budget`` (bin ``K`` = no drafting, 0 nodes)."""
@@ -304,7 +448,8 @@ class TreeScheduler:
     def __repr__(self) -> str:
         return (f"TreeScheduler(policy={self.policy!r}, ladder={self.ladder_ids}, thresholds={self.thresholds}, "
                 f"hysteresis={self.hysteresis}, warmup_steps={self.warmup_steps}, "
-                f"default={self.default_tree_id!r}, source={self.ladder_source})")
+                f"default={self.default_tree_id!r}, source={self.ladder_source}, load_policy={self.load_policy!r}"
+                f"{'' if self.cost_model else ' (cap only)'})")
 
 
 def calibration_mismatches(tree_set: TreeSet, options: Any) -> list[str]:

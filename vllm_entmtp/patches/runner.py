@@ -121,6 +121,12 @@ def _make_proposer_class():
                                    "; ".join(off))
                 self.scheduler = TreeScheduler.from_config(spec.entmtp, tree_set)
                 self.tracker = EntropyTracker.from_config(spec.entmtp)
+                if self.scheduler.cost_model:
+                    logger.info("entmtp: load: cost model (decode_row_cost %.3f), then max_verify_tokens_per_step",
+                                self.scheduler.decode_row_cost)
+                else:
+                    logger.info("entmtp: load: max_verify_tokens_per_step only (%s)",
+                                self.scheduler.cost_model_missing or "load_policy 'cap'")
             if (self.static_tree is not None or self.scheduler is not None) \
                     and not self._tree_attention_available():
                 logger.warning("entmtp: tree verification needs vLLM's CPU attention with the 'vec' KV layout; "

@@ -62,6 +62,28 @@ def summarize(records: list[dict], concurrency: int) -> dict:
             "median_ms": {p: round(1000 * statistics.median(r.get(p, 0.0) for r in dec), 3) for p in PHASES}}
 
 
+def split_methods(text: str) -> list[str]:
+    """``--methods`` split at the commas outside JSON objects and strings: ``plain,x={"a": 1, "b": 2}`` gives
+    ``["plain", 'x={"a": 1, "b": 2}']``."""
+    parts, cur, depth, in_str, esc = [], [], 0, False, False
+    for ch in text:
+        if in_str:
+            esc, in_str = (not esc and ch == "\\"), in_str and not (ch == '"' and not esc)
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+            continue
+        cur.append(ch)
+    parts.append("".join(cur))
+    return [x.strip() for x in parts]
+
+
 def format_table(results: list[dict]) -> str:
     """Markdown: one row per method, median ms per phase, and ``(+x)`` against the first method."""
     base = results[0]["median_ms"]
@@ -160,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.concurrency, args.num_prompts, args.max_tokens) < 1:
         ap.error("--concurrency, --num-prompts and --max-tokens must be >= 1")
     methods = []
-    for m in (x for x in args.methods.split(",") if x):
+    for m in (x for x in split_methods(args.methods) if x):
         name, eq, js = m.partition("=")
         if eq:
             try:

@@ -43,3 +43,10 @@ def test_bad_methods_are_refused():
         sp.main(["--methods", "plain,nosuch"])
     with pytest.raises(SystemExit):
         sp.main(["--methods", "x={bad json"])
+
+
+def test_methods_split_outside_json():
+    spec = '{"method": "entmtp", "tree_set": "default", "tree_id": "b0n1"}'
+    assert sp.split_methods(f"plain,n1={spec},ngram") == ["plain", f"n1={spec}", "ngram"]
+    assert sp.split_methods('x={"a": [1, 2], "s": "1,2"}') == ['x={"a": [1, 2], "s": "1,2"}']
+    assert sp.split_methods('x={"s": "say \\"a,b\\""},y') == ['x={"s": "say \\"a,b\\""}', "y"]

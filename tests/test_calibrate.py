@@ -375,7 +375,9 @@ def test_build_trees_end_to_end(tiny_model, tmp_path, capsys):
         assert md["cost"]["total"] == pytest.approx(1 + 0.01 * md["num_nodes"], abs=1e-4)
     sched = TreeScheduler.from_config(EntMTPConfig(policy="confidence", tree_set=str(out)), ts)
     assert cal["cost"]["decode_row_cost"] == 0.1  # the load cost model reads it, and every tree's statistics
-    assert sched.cost_model and sched.decode_row_cost == 0.1
+    assert not sched.cost_model and sched.decode_row_cost == 0.1  # "cap" is the default load policy
+    assert TreeScheduler.from_config(EntMTPConfig(policy="confidence", tree_set=str(out), load_policy="cost"),
+                                     ts).cost_model
     with pytest.raises(Exception, match="signal 'confidence'"):
         TreeScheduler.from_config(EntMTPConfig(policy="entropy", tree_set=str(out)), ts)
     assert sched.policy == "confidence"

@@ -108,10 +108,10 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
                                                "num_speculative_tokens": 4},
                  [{"name": "c8", "concurrency": 8, "extra_args": caps}], convs)
     policy = ts.schedule.signal
-    # load_policy "cap": the cost model would rightly drop most of these trees at 16 requests (they do not pay
-    # there on this CPU); this engine is here to verify trees of a batch, so only the node cap applies
+    # max_verify_tokens_per_step 64: the default cap (32) would step most of these trees down at 16 requests
+    # (they do not pay there on this CPU); this engine is here to verify the trees of a batch
     tree = _run(tmp, "tree", default_model, {"method": "entmtp", "tree_set": tree_set, "policy": policy,
-                                             "load_policy": "cap"},
+                                             "max_verify_tokens_per_step": 64},
                 [{"name": "bs1", "concurrency": 1}, {"name": "c4", "concurrency": 4, "extra_args": mixed},
                  {"name": "c16", "concurrency": 16, "extra_args": caps},
                  {"name": "stop", "concurrency": 16, "stop": STOP},
@@ -121,7 +121,7 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     tree["forced"] = forced
     prefix = _run(tmp, "prefix", default_model,
                   {"method": "entmtp", "model": _prefix_heads(shipped_heads["hydra"], default_model, tmp / "prefix"),
-                   "tree_set": tree_set, "policy": policy, "load_policy": "cap"},
+                   "tree_set": tree_set, "policy": policy},
                   [{"name": "c4", "concurrency": 4, "prompts": PREFIX_PROMPTS}], convs,
                   engine_args={"enable_chunked_prefill": True, "max_num_batched_tokens": MAX_BATCHED})
     return prompts, plain, {"chain": chain, "tree": tree, "prefix": prefix}

@@ -138,8 +138,9 @@ def test_default_tree_defaults_to_the_most_aggressive_and_must_be_in_the_ladder(
 
 
 def test_node_budget_rule():
-    assert DEFAULT_MAX_VERIFY_TOKENS == 64
-    assert node_budget(4) == 60 and node_budget(64) == 0 and node_budget(100) == 0 and node_budget(0) == 64
+    assert DEFAULT_MAX_VERIFY_TOKENS == 32
+    assert node_budget(4) == 28 and node_budget(16) == 16 and node_budget(32) == 0 and node_budget(100) == 0
+    assert node_budget(0) == 32
     assert node_budget(4, 16) == 12
     assert TreeScheduler(_set(), "entropy", max_verify_tokens_per_step=32).node_budget(8) == 24
     for bad in (0, -1, True, 2.5):
@@ -272,6 +273,7 @@ def _costed_set(decode_row_cost=None):
 
 
 def _cost_sched(**kw):
+    kw.setdefault("load_policy", "cost")
     return TreeScheduler(_costed_set(kw.pop("set_d", None)), "confidence", hysteresis=0.0, warmup_steps=0, **kw)
 
 
@@ -304,7 +306,7 @@ def test_cost_model_steps_down_the_least_profitable_requests_first():
     assert ids(out) == ["small", "small", None, None]
     assert s.stats.cost_stepdowns == 4 and s.stats.no_draft == 2
     # a request still in warm-up (no signal) counts the mean over the calibration bins
-    w = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=5)
+    w = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=5, load_policy="cost")
     assert w.expected_accepted(0, None) == pytest.approx((1.5 + 0.8 + 0.3 + 0.1) / 4)
     assert ids(w.choose(["x"], [conf(0.9, updates=0)])) == ["big"]  # 1.675 tokens in 1.4 steps
 
@@ -317,24 +319,26 @@ def test_cost_model_options_and_when_it_does_not_apply():
     cap = _cost_sched(load_policy="cap")
     assert not cap.cost_model and ids(cap.choose([f"r{i}" for i in range(16)], [conf(0.9)] * 16)) == ["big"] * 16
     assert cap.stats.cost_stepdowns == 0
-    static = TreeScheduler(_costed_set(), "static")
+    assert not TreeScheduler(_costed_set(), "confidence").cost_model  # "cap" is the default
+    static = TreeScheduler(_costed_set(), "static", load_policy="cost")
     assert not static.cost_model and "static" in static.cost_model_missing
-    plain = TreeScheduler(_set(CONF), "confidence")  # no build-trees metadata: the cap only
+    plain = TreeScheduler(_set(CONF), "confidence", load_policy="cost")  # no build-trees metadata: the cap only
     assert not plain.cost_model and "no build-trees calibration" in plain.cost_model_missing
     meta = _costed_set().metadata
     del meta["small"]["cost"]
     broken = TreeSet(name="c", source=Path("c.json"), heads_kind="hydra", num_heads=4, description="",
                      trees=[("big", TREES["mid"]), ("small", TREES["one"])], metadata=meta,
                      schedule=_costed_set().schedule)
-    assert "tree 'small'" in TreeScheduler(broken, "confidence").cost_model_missing
+    assert "tree 'small'" in TreeScheduler(broken, "confidence", load_policy="cost").cost_model_missing
     with pytest.raises(SchedulerError, match="unknown load_policy 'fair'"):
         _cost_sched(load_policy="fair")
     for bad in (-0.1, 1.5, float("nan"), True):
         with pytest.raises(SchedulerError, match="decode_row_cost must be a number in"):
             _cost_sched(decode_row_cost=bad)
-    opts = EntMTPConfig(policy="confidence", tree_set="x", load_policy="cap", decode_row_cost=0.1)
+    assert EntMTPConfig().load_policy == "cap"
+    opts = EntMTPConfig(policy="confidence", tree_set="x", load_policy="cost", decode_row_cost=0.1)
     s = TreeScheduler.from_config(opts, _costed_set())
-    assert s.load_policy == "cap" and s.decode_row_cost == 0.1
+    assert s.load_policy == "cost" and s.cost_model and s.decode_row_cost == 0.1
     for bad in (dict(load_policy="none"), dict(decode_row_cost=2.0)):
         with pytest.raises(ValueError):
             EntMTPConfig(**bad)

@@ -88,15 +88,17 @@ class EntMTPConfig(BaseModel):
         default=None, ge=1,
         description="Load cap for 'entropy' and 'confidence': draft nodes plus one root per request, summed "
                     "over the batch, per step. When the chosen trees exceed it, requests step down to smaller "
-                    "trees (largest first), down to no drafting. None: 64.")
-    load_policy: Literal["cost", "cap"] = Field(
-        default="cost",
-        description="How 'entropy' and 'confidence' fit a batch's trees to the load. 'cost': keep a request's "
-                    "tree only while its expected accepted draft tokens (the tree set's build-trees statistics "
-                    "for the request's signal) pay for its measured cost at this batch size, stepping requests "
-                    "down to smaller trees or no drafting otherwise (docs/options.md), then the cap "
-                    "max_verify_tokens_per_step; a tree set without build-trees metadata gets the cap only. "
-                    "'cap': max_verify_tokens_per_step only.")
+                    "trees (largest first), down to no drafting. None: 32 (on the project's 2-core CPU a step's "
+                    "time is nearly flat up to about 32 verified rows and steep beyond).")
+    load_policy: Literal["cap", "cost"] = Field(
+        default="cap",
+        description="How 'entropy' and 'confidence' fit a batch's trees to the load. 'cap': "
+                    "max_verify_tokens_per_step only. 'cost' (experimental): first keep a request's tree only "
+                    "while its expected accepted draft tokens (the tree set's build-trees statistics for the "
+                    "request's signal) pay for its measured one-request cost at this batch size, stepping requests "
+                    "down to smaller trees or no drafting otherwise, then the cap; it overestimates drafting's "
+                    "cost at larger batches when the set is calibrated at one request (docs/options.md). A tree "
+                    "set without build-trees metadata gets the cap only.")
     decode_row_cost: float | None = Field(
         default=None, ge=0.0, le=1.0, allow_inf_nan=False,
         description="load_policy 'cost': the time one more request's decode row adds to a step, as a fraction "

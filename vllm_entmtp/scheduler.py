@@ -35,7 +35,7 @@ the plain mapping (no hysteresis, as it holds no bin yet).
 
 Load, two rules applied in this order (the bin a request's signal holds is never changed by either):
 
-1. **Cost model** (``load_policy="cost"``, the default, for sets built by ``vllm-entmtp build-trees``; not for
+1. **Cost model** (``load_policy="cost"``, opt-in, for sets built by ``vllm-entmtp build-trees``; not for
    ``"static"``): keep the trees that raise the step's expected tokens per unit of time. Every tree of such a set
    records its expected accepted draft tokens per calibration bin (``metadata.expected_accepted_per_bin``; the
    request's bin comes from its signal and the calibration's ``edges``; a request without a signal yet counts the
@@ -46,15 +46,19 @@ Load, two rules applied in this order (the bin a request's signal holds is never
    request one rung down the ladder (to ``"none"`` past the last) gives up fewer tokens per unit of time saved
    (``dA / dT``) than the step's current ratio ``tokens / time``, the request with the smallest ``dA / dT`` steps
    down; ties go to the later request. At one request this drops a tree only where its expected speed-up is below
-   1; as ``B`` grows the ratio rises (a batch amortises the step's fixed cost) and only trees whose accepted tokens
-   pay for their rows stay: the batch-size rule of the brief ("never slower than no speculation"). Source: the
+   1; as ``B`` grows the ratio rises and only trees whose accepted tokens pay for their own cost stay. Source: the
    break-even argument of Sequoia (Chen et al. 2024, section 4: the tree size that maximises tokens per second
    depends on the hardware's cost of verifying more tokens) applied per request.
-2. **Cap**: :func:`node_budget` gives the draft nodes a step may verify: ``max_verify_tokens_per_step``
-   (default :data:`DEFAULT_MAX_VERIFY_TOKENS` = 64) minus one root row per request. :meth:`TreeScheduler.choose`
+   Not the default: it charges every request its one-request cost, and on this CPU most of that cost is per step,
+   not per request (``benchmarks/results/step-profile-2026-11-30b/``: one draft token costs 14 ms at one request
+   and 12.5 ms for sixteen together, where it still gains 17 %), so with one-request calibrations it drops
+   drafting where drafting pays. It needs step costs measured per batch size.
+2. **Cap** (always): :func:`node_budget` gives the draft nodes a step may verify: ``max_verify_tokens_per_step``
+   (default :data:`DEFAULT_MAX_VERIFY_TOKENS` = 32) minus one root row per request. :meth:`TreeScheduler.choose`
    then, while the chosen trees' nodes exceed the budget, steps the request with the largest tree one bin down (a
-   tie goes to the request later in the batch), the last bin stepping down to no drafting (``None``). A hard
-   bound whatever the model says; with ``load_policy="cap"`` the only rule.
+   tie goes to the request later in the batch), the last bin stepping down to no drafting (``None``). On this CPU
+   a step's time is nearly flat up to about 32 verified rows and steep beyond (``step-profile-2026-11-30b``: at
+   16 requests, 32 rows +8 %, 48 rows +53 %, 80 rows of branching trees +300 %), which is what a cap expresses.
 """
 from __future__ import annotations
 
@@ -69,12 +73,12 @@ from vllm_entmtp.errors import EntMTPError
 from vllm_entmtp.trees import NO_DRAFT_ID, Tree, TreeSet
 
 POLICIES = ("static", "entropy", "confidence")
-LOAD_POLICIES = ("cost", "cap")
+LOAD_POLICIES = ("cap", "cost")
 DEFAULT_DECODE_ROW_COST = 0.067
 """What one more request's decode row adds to a step, in one-request plain steps, when the tree set does not say:
 the slope of plain decoding's time per output token over 1, 4 and 16 requests in flight in the compiled servers of
 ``benchmarks/results/compare-2026-11-30/`` (HumanEval: 76.0, 94.6 and 155.6 ms; 5.1 ms per request / 76 ms)."""
-DEFAULT_MAX_VERIFY_TOKENS = 64
+DEFAULT_MAX_VERIFY_TOKENS = 32
 """Default cap on the tokens verified per step (draft nodes + one root per request), see :func:`node_budget`."""
 DEFAULT_HYSTERESIS = 0.05
 DEFAULT_ENTROPY_RANGE = (0.0, 1.2)
@@ -90,8 +94,7 @@ def node_budget(batch_size: int, max_verify_tokens_per_step: int | None = None) 
 
     Every request verifies its root row anyway (the plain decode token), so of ``max_verify_tokens_per_step``
     verified rows (None: :data:`DEFAULT_MAX_VERIFY_TOKENS`) ``batch_size`` are taken and the rest can be
-    draft nodes. With 64: 60 nodes for 4 requests, none from 64 requests on (the step is then compute-bound
-    and drafting would not pay).
+    draft nodes. With 32: 28 nodes for 4 requests, 16 for 16 requests (one each), none from 32 requests on.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
         raise ValueError(f"batch_size must be an int >= 0, got {batch_size!r}")
@@ -128,9 +131,9 @@ class TreeScheduler:
         warmup_steps: a request's first updates that draft the default tree.
         default_tree_id: the warm-up tree (it must be in the ladder); None: bin 0 of the ladder, or for
             ``"static"`` the set's largest tree (the static policy's tree).
-        max_verify_tokens_per_step: for :meth:`node_budget` (None: 64).
+        max_verify_tokens_per_step: for :meth:`node_budget` (None: 32).
         entropy_range: the fallback ladder's entropy range in nats (unused with a schedule).
-        load_policy: ``"cost"`` (the module's cost model, then the cap) or ``"cap"`` (the cap only). The cost
+        load_policy: ``"cap"`` (the cap only) or ``"cost"`` (the module's cost model, then the cap). The cost
             model needs a set whose ladder trees carry ``build-trees`` metadata for this policy's signal;
             otherwise only the cap applies and :attr:`cost_model_missing` says why.
         decode_row_cost: ``d`` of the cost model, in one-request plain steps per request; None: the tree set's
@@ -145,7 +148,7 @@ class TreeScheduler:
                  warmup_steps: int = 2, default_tree_id: str | None = None,
                  max_verify_tokens_per_step: int | None = None,
                  entropy_range: tuple[float, float] = DEFAULT_ENTROPY_RANGE,
-                 load_policy: str = "cost", decode_row_cost: float | None = None):
+                 load_policy: str = "cap", decode_row_cost: float | None = None):
         if policy not in POLICIES:
             raise SchedulerError(f"unknown policy {policy!r}; allowed: {', '.join(POLICIES)}")
         if load_policy not in LOAD_POLICIES:

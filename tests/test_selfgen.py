@@ -74,6 +74,8 @@ def test_package_function_prompts_keep_signature_and_first_paragraph(tmp_path):
         def only_doc(x):
             """Return x unchanged, documented but without a body of its own."""
 
+        def one_line(x): "Return x unchanged, with the docstring on the def line."; return x
+
         class K:
             def m(self):
                 """Return a method's value, left out because methods are."""

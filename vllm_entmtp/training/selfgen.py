@@ -118,6 +118,8 @@ def _function_prompts(rel: Path, text: str, summary_only: bool, source: str = "c
             summary = inspect.cleandoc(doc).split("\n\n")[0].strip()
             if len(summary) < MIN_SUMMARY_CHARS or len(node.body) < 2 or '"""' in summary:
                 continue
+            if not lines[first.lineno - 1].lstrip().lstrip("rRuU").startswith(('"', "'")):
+                continue  # the docstring shares its line with the signature: the prompt would lose the def
             indent = " " * first.col_offset
             body = textwrap.indent(summary, indent).lstrip()
             head = "\n".join(lines[node.lineno - 1:first.lineno - 1] + [f'{indent}"""{body}\n{indent}"""'])

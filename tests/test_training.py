@@ -356,6 +356,8 @@ def test_extra_data_adds_another_work_dirs_cache_without_its_documents(tiny_targ
     assert ent["data"]["train_positions"] + ent["data"]["heldout_positions"] > 5000
     with pytest.raises(SystemExit, match=r"--extra-data .*a: its data has max_len=128, this run 64"):
         T.run(_args(tiny_target, tmp_path, **{**b, "work_dir": tmp_path / "c", "max_len": 64}))
+    with pytest.raises(SystemExit, match="more shards than its plan makes with --shard-tokens 4000"):
+        T.run(_args(tiny_target, tmp_path, **{**b, "work_dir": tmp_path / "f", "shard_tokens": 4000}))
     (tmp_path / "a" / "data" / "shard-00001.pt").unlink()
     with pytest.raises(SystemExit, match=r"its target pass is incomplete \(1 of \d+ shards missing"):
         T.run(_args(tiny_target, tmp_path, **{**b, "work_dir": tmp_path / "d"}))

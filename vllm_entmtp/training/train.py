@@ -259,6 +259,9 @@ def extra_data(work_dir: Path, model_dir: str, max_len: int, shard_tokens: int) 
     plan = [D.PlannedSeq(**x) for x in json.loads(plan_file.read_text())["seqs"]]
     paths = [data_dir / f"shard-{k:05d}.pt" for k in range(len(D.shard_ranges(plan, shard_tokens)))]
     missing = [p.name for p in paths if not p.is_file()]
+    if (data_dir / f"shard-{len(paths):05d}.pt").is_file():
+        raise SystemExit(f"--extra-data {work_dir}: it holds more shards than its plan makes with --shard-tokens "
+                         f"{shard_tokens}: pass the --shard-tokens it was cached with")
     if missing:
         raise SystemExit(f"--extra-data {work_dir}: its target pass is incomplete ({len(missing)} of {len(paths)} "
                          f"shards missing, e.g. {missing[0]}; run train-heads --cache-only there first, with the "

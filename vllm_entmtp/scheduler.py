@@ -227,19 +227,15 @@ class TreeScheduler:
         with the metadata it needs)."""
         return self.load_policy == "cost" and self.policy != "static" and self.cost_model_missing is None
 
-    def _calibration(self) -> dict:
-        ts = self.tree_set
-        return ts.metadata.get(ts.ids[0], {}).get("calibration", {}) if ts.ids else {}
-
     def _calibrated_decode_row_cost(self) -> float:
-        d = self._calibration().get("cost", {}).get("decode_row_cost")
+        d = calibration_of(self.tree_set).get("cost", {}).get("decode_row_cost")
         return DEFAULT_DECODE_ROW_COST if d is None else d
 
     def _init_cost_model(self) -> str | None:
         """Fill the cost model's tables from the tree set's metadata; return why it cannot apply (None: it can)."""
         if self.policy == "static":
             return "the static policy drafts one tree for everyone"
-        cal = self._calibration()
+        cal = calibration_of(self.tree_set)
         if cal.get("signal") != self.policy or not isinstance(cal.get("edges"), list):
             return (f"tree set {self.tree_set.source} has no build-trees calibration for the {self.policy!r} "
                     f"signal (metadata.calibration.signal and edges)")
@@ -455,12 +451,18 @@ class TreeScheduler:
                 f"{'' if self.cost_model else ' (cap only)'})")
 
 
+def calibration_of(tree_set: TreeSet) -> dict:
+    """The ``build-trees`` calibration record of a tree set (its first tree's ``metadata.calibration``; ``{}`` for
+    sets without one)."""
+    return tree_set.metadata.get(tree_set.ids[0], {}).get("calibration", {}) if tree_set.ids else {}
+
+
 def calibration_mismatches(tree_set: TreeSet, options: Any) -> list[str]:
     """Where the options the server runs with differ from those a ``build-trees`` set was calibrated for (its
     first tree's ``metadata.calibration``: ``signal_window``, ``confidence_heads``): the thresholds then apply to
     a signal of another shape. Empty for sets without that metadata, for another signal, or when they agree.
     """
-    cal = tree_set.metadata.get(tree_set.ids[0], {}).get("calibration", {}) if tree_set.ids else {}
+    cal = calibration_of(tree_set)
     signal = cal.get("signal")
     if signal is None or tree_set.schedule is None or signal != tree_set.schedule.signal:
         return []

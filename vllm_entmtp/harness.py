@@ -78,7 +78,8 @@ def make_llm(model: str, speculative_config: dict | None, *, dtype: str = "bfloa
 
     kwargs.setdefault("enforce_eager", True)
     return LLM(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
-               speculative_config=speculative_config, disable_log_stats=False, gpu_memory_utilization=gpu_memory_utilization, **kwargs)
+               speculative_config=speculative_config, disable_log_stats=False,
+               gpu_memory_utilization=gpu_memory_utilization, **kwargs)
 
 
 def engine_counters(llm) -> dict:

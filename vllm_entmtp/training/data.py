@@ -142,13 +142,26 @@ def build_plan(tok, positions: int, mix: dict[str, float], max_len: int, seed: i
     return plan
 
 
+def read_plan(data_dir: Path) -> list[PlannedSeq] | None:
+    """The data plan saved in ``data_dir`` (None: there is none yet)."""
+    path = data_dir / PLAN_NAME
+    if not path.is_file():
+        return None
+    return [PlannedSeq(**s) for s in json.loads(path.read_text())["seqs"]]
+
+
+def shard_path(data_dir: Path, k: int) -> Path:
+    """Where shard ``k`` of a data plan is cached."""
+    return data_dir / f"shard-{k:05d}.pt"
+
+
 def load_or_build_plan(data_dir: Path, tok, positions: int, mix: dict[str, float], max_len: int, seed: int,
                        log=print, generated: str | Path | None = None,
                        exclude: set[str] | frozenset[str] = frozenset()) -> list[PlannedSeq]:
+    plan = read_plan(data_dir)
+    if plan is not None:
+        return plan
     path = data_dir / PLAN_NAME
-    if path.is_file():
-        raw = json.loads(path.read_text())
-        return [PlannedSeq(**s) for s in raw["seqs"]]
     t0 = time.time()
     plan = build_plan(tok, positions, mix, max_len, seed, generated=generated, exclude=exclude)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -204,7 +217,7 @@ def cache_shards(model, lm_head_weight: torch.Tensor, plan: list[PlannedSeq], da
     from tqdm import tqdm
 
     ranges = shard_ranges(plan, shard_tokens)
-    paths = [data_dir / f"shard-{k:05d}.pt" for k in range(len(ranges))]
+    paths = [shard_path(data_dir, k) for k in range(len(ranges))]
     todo = [k for k, p in enumerate(paths) if not p.is_file()]
     if not todo:
         return paths

@@ -226,7 +226,7 @@ def prepare_data(args, model_dir: str, log=_log) -> tuple[D.CachedData, dict]:
         plan = plan[:D.shard_ranges(plan, args.shard_tokens)[min(args.shards, n_shards) - 1][1]]
         n_shards = min(args.shards, n_shards)
     if args.cached_only:
-        paths = [data_dir / f"shard-{k:05d}.pt" for k in range(n_shards)]
+        paths = [D.shard_path(data_dir, k) for k in range(n_shards)]
         paths = paths[:next((i for i, p in enumerate(paths) if not p.is_file()), len(paths))]
         if not paths:
             raise SystemExit(f"--cached-only: no cached shards in {data_dir}")
@@ -249,17 +249,18 @@ def extra_data(work_dir: Path, model_dir: str, max_len: int, shard_tokens: int) 
             (names the folder and both values).
     """
     data_dir = work_dir / "data"
-    cfg_file, plan_file = data_dir / "data_config.json", data_dir / D.PLAN_NAME
-    if not cfg_file.is_file() or not plan_file.is_file():
-        raise SystemExit(f"--extra-data {work_dir}: no train-heads data there ({cfg_file} and {plan_file})")
+    cfg_file = data_dir / "data_config.json"
+    plan = D.read_plan(data_dir) if cfg_file.is_file() else None
+    if plan is None:
+        raise SystemExit(f"--extra-data {work_dir}: no train-heads data there ({cfg_file} and "
+                         f"{data_dir / D.PLAN_NAME})")
     cfg = json.loads(cfg_file.read_text())
     for key, want in (("model", str(model_dir)), ("max_len", max_len)):
         if cfg.get(key) != want:
             raise SystemExit(f"--extra-data {work_dir}: its data has {key}={cfg.get(key)!r}, this run {want!r}")
-    plan = [D.PlannedSeq(**x) for x in json.loads(plan_file.read_text())["seqs"]]
-    paths = [data_dir / f"shard-{k:05d}.pt" for k in range(len(D.shard_ranges(plan, shard_tokens)))]
+    paths = [D.shard_path(data_dir, k) for k in range(len(D.shard_ranges(plan, shard_tokens)))]
     missing = [p.name for p in paths if not p.is_file()]
-    if (data_dir / f"shard-{len(paths):05d}.pt").is_file():
+    if D.shard_path(data_dir, len(paths)).is_file():
         raise SystemExit(f"--extra-data {work_dir}: it holds more shards than its plan makes with --shard-tokens "
                          f"{shard_tokens}: pass the --shard-tokens it was cached with")
     if missing:

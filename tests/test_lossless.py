@@ -13,6 +13,7 @@ The tree engine also runs with prefix caching, chunked prefill and a KV cache sm
 a third of a batch aborted mid-generation.
 """
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,7 +56,7 @@ def _run(tmp_path, name, model, spec, phases, conversations, engine_args=None):
     p = subprocess.run([sys.executable, "-m", "vllm_entmtp.harness", str(job_file), str(out_file)],
                        capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(out_file.read_text())
+    return json.loads(out_file.read_text()) | {"log": p.stderr}
 
 
 PREFIX_PROMPTS = list(range(0, 30, 3))  # 10 prompts, from each of the three sets
@@ -171,6 +172,15 @@ def test_a_request_can_be_held_to_one_tree(runs):
     chosen = tree["c4"]["tree_stats"]["chosen"]
     assert not any(t.split("@")[0] == forced for t in tree["bs1"]["tree_stats"]["chosen"])
     assert sum(n for t, n in chosen.items() if t.split("@")[0] == forced) >= 10, (forced, chosen)
+
+
+def test_start_up_lines_reach_vllms_log(runs):
+    """The drafter's start-up lines go through vLLM's configured "vllm" logger (format and level), as in the log
+    of `vllm serve`; a logger outside it would drop INFO lines."""
+    log = runs[2]["tree"]["log"]
+    assert re.search(r"INFO .*entmtp: \d+ \w+Heads MTP heads from .*; drafting trees scheduled by policy", log), \
+        log[-4000:]
+    assert re.search(r"INFO .*entmtp: load: max_verify_tokens_per_step only", log), log[-4000:]
 
 
 def test_per_tree_counters_reach_prometheus(runs):

@@ -31,7 +31,9 @@ from vllm_entmtp.patches.tree_step import STEP, TreeRows, fix_rows_for
 from vllm_entmtp.stats import STEP_TIMES_ENV, StepTimer, TreeStats, step_key
 from vllm_entmtp.trees import Tree
 
-logger = logging.getLogger("vllm_entmtp")
+# a child of vLLM's "vllm" logger: vLLM configures only that logger (vllm/logger.py DEFAULT_LOGGING_CONFIG, or a
+# user's VLLM_LOGGING_CONFIG_PATH), so the plugin's lines reach `vllm serve`'s log with its format and level
+logger = logging.getLogger("vllm.entmtp")
 
 #: ``SamplingParams.extra_args`` key (``vllm_xargs`` in the OpenAI API) capping one request's draft tokens.
 REQUEST_DRAFT_TOKENS_KEY = "entmtp_num_draft_tokens"

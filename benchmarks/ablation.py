@@ -44,6 +44,22 @@ def variants(tree_ids: list[str]) -> list[tuple[str, dict | None]]:
             + [(SCHEDULED, None)])
 
 
+def best_unscheduled(tree_set, n: int) -> list[str]:
+    """The ``n`` trees of a ``build-trees`` set outside its schedule with the highest expected speed-up over all
+    positions by the set's own calibration (``metadata.expected_tokens_per_step_per_bin`` over
+    ``metadata.cost.total``; the bins hold equal shares of the calibration's positions, being its quantiles),
+    best first; trees without that metadata are skipped. The static variants an ablation adds so that "beats
+    every static tree of its set" is measured against the set's best trees, not only the schedule's."""
+    scheduled = set(tree_set.schedule.tree_ids) if tree_set.schedule is not None else set()
+    ranked = []
+    for t in tree_set.ids:
+        m = tree_set.metadata.get(t, {})
+        tokens, cost = m.get("expected_tokens_per_step_per_bin"), (m.get("cost") or {}).get("total")
+        if t not in scheduled and tokens and cost:
+            ranked.append((sum(tokens) / (len(tokens) * cost), t))
+    return [t for _, t in sorted(ranked, key=lambda x: -x[0])[:n]]
+
+
 def phase_order(names: list[str], repeats: int) -> list[tuple[int, str]]:
     """``(round, name)`` of every phase: round ``r`` is ``names`` rotated by ``r`` (interleaving)."""
     return [(r, names[(i + r) % len(names)]) for r in range(repeats) for i in range(len(names))]
@@ -239,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the engine's load_policy (the option of the same name; default: the option's default)")
     ap.add_argument("--all-trees", action="store_true",
                     help="every tree of the set statically, not only the schedule's")
+    ap.add_argument("--extra-trees", type=int, default=1, metavar="N",
+                    help="also run statically the N trees outside the schedule that the set's calibration expects "
+                         "to be fastest (default %(default)s; 0: the schedule's trees only)")
     ap.add_argument("--policy", choices=("entropy", "confidence"), default=None,
                     help="the engine's policy (default: the signal of the set's schedule; entropy without one). "
                          "It decides what every step computes: confidence costs a head evaluation per step")
@@ -265,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--tree-set is required (or --report FILES)")
     if min(args.repeats, args.num_prompts, args.max_tokens, args.concurrency) < 1:
         ap.error("--repeats, --num-prompts, --max-tokens and --concurrency must be >= 1")
+    if args.extra_trees < 0:
+        ap.error("--extra-trees must be >= 0")
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm_entmtp.datasets import load_prompts
@@ -276,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     ts = load_tree_set(args.tree_set)
     if ts.schedule is None and not args.all_trees:
         ap.error(f"tree set {ts.source} has no schedule: give --all-trees, or a set built by vllm-entmtp build-trees")
-    tree_ids = ts.ids if args.all_trees else [t for t in ts.schedule.tree_ids if t != NO_DRAFT_ID]
+    tree_ids = ts.ids if args.all_trees else ([t for t in ts.schedule.tree_ids if t != NO_DRAFT_ID]
+                                              + best_unscheduled(ts, args.extra_trees))
     vs = dict(variants(tree_ids))
     if args.no_schedule:
         vs.pop(SCHEDULED)

@@ -176,3 +176,31 @@ def test_step_time_speedups_and_their_verdict():
     assert set(ab.step_time_speedups(good)) == {"no-drafting", "tree:a"}
     good["step_cost_by_nodes"] = {}
     assert ab.step_time_speedups(good) == {}
+
+
+def test_extra_static_trees_are_the_sets_best_outside_its_schedule(tmp_path):
+    """--extra-trees ranks the trees outside the schedule by the calibration's expected tokens per step over
+    cost, averaged over the bins; trees without that metadata are never picked."""
+    import json
+
+    from vllm_entmtp.trees import load_tree_set
+
+    def tree(i, paths, tokens, cost):
+        meta = {"num_nodes": len(paths), "depth": max(map(len, paths))}
+        if tokens:
+            meta |= {"expected_tokens_per_step_per_bin": tokens, "cost": {"total": cost}}
+        return {"id": i, "paths": paths, "metadata": meta}
+
+    raw = {"schema_version": 1, "name": "t", "heads": {"kind": "hydra", "num_heads": 4}, "trees": [
+        tree("c1", [[0]], [1.8, 1.2], 1.0),                           # in the schedule
+        tree("c2", [[0], [0, 0]], [2.2, 1.2], 1.1),                   # in the schedule
+        tree("c3", [[0], [0, 0], [0, 0, 0]], [2.4, 1.2], 1.25),       # 1.44
+        tree("b2", [[0], [1]], [2.0, 1.4], 1.5),                      # 1.13
+        tree("c4", [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], [2.5, 1.2], 1.2),  # 1.54: the best outside
+        tree("bare", [[0], [1], [2]], None, None)],
+        "schedule": {"signal": "confidence", "thresholds": [0.5], "tree_ids": ["c2", "c1"]}}
+    (tmp_path / "t.json").write_text(json.dumps(raw))
+    ts = load_tree_set(tmp_path / "t.json")
+    assert ab.best_unscheduled(ts, 1) == ["c4"]
+    assert ab.best_unscheduled(ts, 5) == ["c4", "c3", "b2"]
+    assert ab.best_unscheduled(ts, 0) == []

@@ -7,7 +7,8 @@ statically, and the scheduled policy.
 One vLLM engine runs ``{"method": "entmtp", "tree_set": SET, "policy": SIGNAL}`` (the signal of the set's
 schedule: ``entropy`` or ``confidence``); the variants differ only in
 each request's ``extra_args``: ``entmtp_num_draft_tokens: 0`` (no drafting), ``entmtp_tree_id: ID`` (that tree
-every step, the schedule ignored) or nothing (the schedule). Every variant is a phase that sends the same
+every step, the schedule ignored) or nothing (the schedule). The static trees are the schedule's and the
+``--extra-trees`` best others of the set by its own calibration (``--all-trees``: every tree of the set). Every variant is a phase that sends the same
 prompts one request at a time (``--concurrency N``: N requests in flight, so the load cap
 ``max_verify_tokens_per_step`` and batched verification come into play); with ``--repeats`` the phases are
 rotated each round (interleaved), and

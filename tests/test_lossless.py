@@ -96,8 +96,11 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
 
     # the shipped default set's trees under a schedule of branching trees (the calibrated schedule may pick only
     # chains, which vLLM verifies itself): the tree engine must verify several trees, and switch between them
-    raw = json.loads(load_tree_set("default").source.read_text())
-    raw["schedule"] = {"signal": "confidence", "thresholds": [0.6, 0.3], "tree_ids": ["b0n6", "b1n4", "b1n2"]}
+    shipped = load_tree_set("default")
+    raw = json.loads(shipped.source.read_text())
+    branching = [next(t for t in shipped.ids if shipped.get(t).num_nodes == n > shipped.get(t).depth)
+                 for n in (6, 4, 2)]  # the first branching tree of 6, 4 and 2 nodes
+    raw["schedule"] = {"signal": "confidence", "thresholds": [0.6, 0.3], "tree_ids": branching}
     (tmp / "trees.json").write_text(json.dumps(raw))
     tree_set = str(tmp / "trees.json")
     ts = load_tree_set(tree_set)

@@ -56,7 +56,7 @@ def _run(tmp_path, name, model, spec, phases, conversations, engine_args=None):
     p = subprocess.run([sys.executable, "-m", "vllm_entmtp.harness", str(job_file), str(out_file)],
                        capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(out_file.read_text()) | {"log": p.stderr}
+    return json.loads(out_file.read_text()) | {"log": p.stdout + p.stderr}  # vLLM logs to stdout by default
 
 
 PREFIX_PROMPTS = list(range(0, 30, 3))  # 10 prompts, from each of the three sets

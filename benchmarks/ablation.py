@@ -4,14 +4,13 @@ statically, and the scheduled policy.
     python benchmarks/ablation.py --tree-set humaneval --prompt-set humaneval --num-prompts 10 --max-tokens 96
     python benchmarks/ablation.py --tree-set gsm8k --prompt-set gsm8k --repeats 2 --out runs/ablation-gsm8k.json
 
-One vLLM engine runs ``{"method": "entmtp", "tree_set": SET, "policy": SIGNAL}`` (the signal of the set's
-schedule: ``entropy`` or ``confidence``); the variants differ only in
-each request's ``extra_args``: ``entmtp_num_draft_tokens: 0`` (no drafting), ``entmtp_tree_id: ID`` (that tree
-every step, the schedule ignored) or nothing (the schedule). The static trees are the schedule's and the
-``--extra-trees`` best others of the set by its own calibration (``--all-trees``: every tree of the set). Every variant is a phase that sends the same
-prompts one request at a time (``--concurrency N``: N requests in flight, so the load cap
-``max_verify_tokens_per_step`` and batched verification come into play); with ``--repeats`` the phases are
-rotated each round (interleaved), and
+One vLLM engine runs ``{"method": "entmtp", "tree_set": SET, "policy": SIGNAL}`` (the signal of the set's schedule:
+``entropy`` or ``confidence``); the variants differ only in each request's ``extra_args``:
+``entmtp_num_draft_tokens: 0`` (no drafting), ``entmtp_tree_id: ID`` (that tree every step, the schedule ignored)
+or nothing (the schedule). The static trees are the schedule's and the ``--extra-trees`` best others of the set by
+its own calibration (``--all-trees``: every tree of the set). Every variant is a phase that sends the same prompts
+one request at a time (``--concurrency N``: N requests in flight, so the load cap ``max_verify_tokens_per_step``
+and batched verification come into play); with ``--repeats`` the phases are rotated each round (interleaved), and
 tokens/s are summed over the rounds. Same engine, same process, same prompts: the ratios are fair ones.
 
 Per variant: output tokens/s and its ratio to no drafting and to the best static tree, mean acceptance length
@@ -22,10 +21,11 @@ excluded), pooled over the phases.
 
 Step cost per tree size and kind (``step_cost_by_nodes`` in the result, keys ``"N"`` for chains and ``"Nt"`` for
 trees that need the tree-attention fix; ``vllm-entmtp build-trees --step-costs`` reads it): the median time of a
-one-request decode step that verifies N draft nodes, over the median of one that verifies none (``step_ms``: the engine times its steps, ``vllm_entmtp.stats.StepTimer``). Medians of hundreds
-of steps shrug off the load spikes that move a tokens/s ratio by 5-10 % on a shared machine. (The tokens/s
-estimate, ``MAL x (tokens/s without drafting) / (tokens/s with the tree)``, is ``step_cost_by_nodes_from_rates``.) "No drafting" here still runs the speculative
-pipeline with empty drafts; plain decoding without it is ``benchmarks/compare.py``'s baseline.
+one-request decode step that verifies N draft nodes, over the median of one that verifies none (``step_ms``: the
+engine times its steps, ``vllm_entmtp.stats.StepTimer``). Medians of hundreds of steps shrug off the load spikes
+that move a tokens/s ratio by 5-10 % on a shared machine. (The tokens/s estimate, ``MAL x (tokens/s without
+drafting) / (tokens/s with the tree)``, is ``step_cost_by_nodes_from_rates``.) "No drafting" here still runs the
+speculative pipeline with empty drafts; plain decoding without it is ``benchmarks/compare.py``'s baseline.
 """
 from __future__ import annotations
 

@@ -11,7 +11,10 @@ or nothing (the schedule). The static trees are the schedule's and the ``--extra
 its own calibration (``--all-trees``: every tree of the set). Every variant is a phase that sends the same prompts
 one request at a time (``--concurrency N``: N requests in flight, so the load cap ``max_verify_tokens_per_step``
 and batched verification come into play); with ``--repeats`` the phases are rotated each round (interleaved), and
-tokens/s are summed over the rounds. Same engine, same process, same prompts: the ratios are fair ones.
+tokens/s are summed over the rounds. ``--interleave prompt`` (the default at one request at a time) goes further:
+a phase is one prompt under one variant, and every prompt runs under all the variants back to back (their order
+rotated by round and prompt), so a few seconds of the machine's drift fall on every variant alike instead of on
+one variant's whole phase. Same engine, same process, same prompts: the ratios are fair ones.
 
 Per variant: output tokens/s and its ratio to no drafting and to the best static tree, mean acceptance length
 (bonus token included; vLLM's counters), and for the schedule the share of steps each tree was chosen. Per tree:
@@ -64,6 +67,19 @@ def best_unscheduled(tree_set, n: int) -> list[str]:
 def phase_order(names: list[str], repeats: int) -> list[tuple[int, str]]:
     """``(round, name)`` of every phase: round ``r`` is ``names`` rotated by ``r`` (interleaving)."""
     return [(r, names[(i + r) % len(names)]) for r in range(repeats) for i in range(len(names))]
+
+
+def prompt_phase_order(names: list[str], repeats: int, num_prompts: int) -> list[tuple[int, int, str]]:
+    """``(round, prompt, name)`` of every phase when each phase is one prompt under one variant: in round ``r``
+    prompt ``p`` runs under every variant back to back, ``names`` rotated by ``r + p``, so each variant goes
+    first as often as the others and a slow stretch of the machine hits all of them within seconds."""
+    return [(r, p, names[(i + r + p) % len(names)])
+            for r in range(repeats) for p in range(num_prompts) for i in range(len(names))]
+
+
+def phase_name(r: int, p: int | None, name: str) -> str:
+    """The harness's name of a phase: ``round:variant``, or ``round:prompt:variant`` for a one-prompt phase."""
+    return f"{r}:{name}" if p is None else f"{r}:{p}:{name}"
 
 
 def _diff(after: dict, before: dict) -> dict:
@@ -167,8 +183,15 @@ def format_table(summary: dict) -> str:
 
 
 def per_round(result: dict, name: str) -> list[float]:
-    """Tokens/s of variant ``name`` in each round of a result (the spread shows the run's noise)."""
-    return [ph["output_tokens"] / ph["seconds"] for ph in result["phases"] if ph["variant"] == name and ph["seconds"]]
+    """Tokens/s of variant ``name`` in each round of a result (the spread shows the run's noise); a round's
+    phases (one per prompt with ``--interleave prompt``) pooled."""
+    tokens: dict[int, int] = {}
+    seconds: dict[int, float] = {}
+    for ph in result["phases"]:
+        if ph["variant"] == name:
+            tokens[ph["round"]] = tokens.get(ph["round"], 0) + ph["output_tokens"]
+            seconds[ph["round"]] = seconds.get(ph["round"], 0.0) + ph["seconds"]
+    return [tokens[r] / seconds[r] for r in sorted(tokens) if seconds[r]]
 
 
 def load_text(result: dict) -> str:
@@ -190,7 +213,9 @@ def markdown_report(results: list[dict], max_loss: float = 0.02) -> str:
     for r in results:
         v, best = r["variants"], r["best_static"]
         out += [f"### {r['prompt_set']} (tree set `{Path(r['tree_set']).stem}`)", "",
-                f"{r['num_prompts']} prompts x {r['max_tokens']} tokens, {r['repeats']} rounds, {r['dtype']}, one "
+                f"{r['num_prompts']} prompts x {r['max_tokens']} tokens, {r['repeats']} rounds"
+                f"{' (every prompt under all variants back to back)' if r.get('interleave') == 'prompt' else ''}, "
+                f"{r['dtype']}, one "
                 f"{'compiled' if r.get('compiled') else 'eager'} engine, {load_text(r)}.", "",
                 "| variant | tokens/s | per round | vs no drafting | vs best static | step-time estimate: vs no "
                 "drafting / vs best static | MAL (bonus incl.) | choice shares |",
@@ -250,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="rounds, phases rotated each round (default 1)")
     ap.add_argument("--concurrency", type=int, default=1,
                     help="requests in flight per phase (default 1: one at a time)")
+    ap.add_argument("--interleave", choices=("prompt", "round"), default=None,
+                    help="prompt: a phase per prompt and variant, every prompt under all variants back to back "
+                         "(the default at concurrency 1); round: a phase per variant and round, all prompts "
+                         "(the default, and the only choice, with several requests in flight)")
     ap.add_argument("--max-verify-tokens-per-step", type=int, default=None,
                     help="the engine's load cap (the option of the same name; default: the option's default)")
     ap.add_argument("--load-policy", choices=("cost", "cap"), default=None,
@@ -287,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--repeats, --num-prompts, --max-tokens and --concurrency must be >= 1")
     if args.extra_trees < 0:
         ap.error("--extra-trees must be >= 0")
+    interleave = args.interleave or ("prompt" if args.concurrency == 1 else "round")
+    if interleave == "prompt" and args.concurrency > 1:
+        ap.error("--interleave prompt needs --concurrency 1 (a phase of one prompt has one request in flight)")
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm_entmtp.datasets import load_prompts
@@ -303,8 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     vs = dict(variants(tree_ids))
     if args.no_schedule:
         vs.pop(SCHEDULED)
-    order = phase_order(list(vs), args.repeats)
     prompts = load_prompts(args.prompt_set, limit=args.num_prompts, max_chars=args.max_prompt_chars)
+    # (round, prompt index or None for all prompts, variant) of every phase
+    order = ([(r, p, n) for r, p, n in prompt_phase_order(list(vs), args.repeats, len(prompts))]
+             if interleave == "prompt" else [(r, None, n) for r, n in phase_order(list(vs), args.repeats)])
     convs = [p.messages for p in prompts]
     policy = args.policy or (ts.schedule.signal if ts.schedule is not None else "entropy")
     spec = {"method": "entmtp", "tree_set": str(ts.source), "policy": policy,
@@ -320,21 +354,24 @@ def main(argv: list[str] | None = None) -> int:
     job = {"model": args.model or str(prepare_default_model()), "speculative_config": spec, "dtype": args.dtype,
            "max_model_len": 2048, "max_num_seqs": max(4, args.concurrency), "conversations": convs,
            "max_tokens": args.max_tokens, "engine_args": {"enforce_eager": not args.compiled},
-           "phases": [{"name": f"{r}:{n}", "concurrency": args.concurrency,
-                       "extra_args": [vs[n]] * len(convs) if vs[n] is not None else None} for r, n in order]}
+           "phases": [{"name": phase_name(r, p, n), "concurrency": args.concurrency,
+                       "prompts": None if p is None else [p],
+                       "extra_args": ([vs[n]] * (len(convs) if p is None else 1)) if vs[n] is not None else None}
+                      for r, p, n in order]}
     try:
         raw = run_job(job)
     except RuntimeError as e:
         sys.exit(str(e))
     phases, before = [], {}
-    for (r, n) in order:
-        res = raw[f"{r}:{n}"]
+    for (r, p, n) in order:
+        res = raw[phase_name(r, p, n)]
         chosen = res["tree_stats"].get("chosen", {})
-        phases.append({"round": r, "variant": n, "output_tokens": sum(map(len, res["token_ids"])),
+        phases.append({"round": r, **({} if p is None else {"prompt": p}), "variant": n,
+                       "output_tokens": sum(map(len, res["token_ids"])),
                        "seconds": res["seconds"], "num_drafts": res["spec"]["num_drafts"],
                        "num_accepted_tokens": res["spec"]["num_accepted_tokens"], "chosen": _diff(chosen, before)})
         before = chosen
-    final_stats = raw[f"{order[-1][0]}:{order[-1][1]}"]["tree_stats"]
+    final_stats = raw[phase_name(*order[-1])]["tree_stats"]
     summary = summarize(phases, list(vs))
     summary["entropy_acceptance"] = final_stats.get("entropy_acceptance", {})
     summary["confidence_acceptance"] = final_stats.get("confidence_acceptance", {})
@@ -347,12 +384,13 @@ def main(argv: list[str] | None = None) -> int:
     source = Path(ts.source).resolve()
     shown = source.relative_to(Path.cwd()) if source.is_relative_to(Path.cwd()) else source  # no machine paths
     result = {"tree_set": str(shown), "prompt_set": args.prompt_set, "num_prompts": len(prompts),
-              "max_tokens": args.max_tokens, "repeats": args.repeats, "dtype": args.dtype,
+              "max_tokens": args.max_tokens, "repeats": args.repeats, "interleave": interleave, "dtype": args.dtype,
               "concurrency": args.concurrency, "max_verify_tokens_per_step": args.max_verify_tokens_per_step,
               "load_policy": args.load_policy, "compiled": args.compiled, "phases": phases,
               **summary}
     print(f"{args.prompt_set}: {len(prompts)} prompts x {args.max_tokens} tokens, tree set {ts.name}, "
-          f"{args.repeats} round(s), {args.dtype}, one {'compiled' if args.compiled else 'eager'} engine, "
+          f"{args.repeats} round(s) interleaved by {interleave}, {args.dtype}, "
+          f"one {'compiled' if args.compiled else 'eager'} engine, "
           f"concurrency {args.concurrency}")
     print(format_table(summary))
     for key, what in (("entropy_acceptance", "entropy EMA (nats)"), ("confidence_acceptance", "path confidence")):

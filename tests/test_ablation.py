@@ -19,6 +19,29 @@ def test_variants_and_interleaved_order():
     assert [n for r, n in order if r == 1] == names[1:] + names[:1]
 
 
+def test_prompt_interleaving_runs_every_prompt_under_all_variants_back_to_back():
+    names = ["no-drafting", "tree:a", "scheduled"]
+    order = ab.prompt_phase_order(names, 2, 4)
+    assert len(order) == 2 * 4 * 3
+    for r in range(2):
+        for p in range(4):
+            block = order[(r * 4 + p) * 3:(r * 4 + p + 1) * 3]
+            assert {(rr, pp) for rr, pp, _ in block} == {(r, p)}  # one prompt, all variants, consecutive
+            assert [n for _, _, n in block] == names[(r + p) % 3:] + names[:(r + p) % 3]
+    firsts = [n for i, (_, _, n) in enumerate(order) if i % 3 == 0]
+    assert sorted(firsts.count(n) for n in names) == [2, 3, 3]  # 8 blocks: each variant leads 2 or 3 of them
+    assert ab.phase_name(1, 3, "tree:a") == "1:3:tree:a" and ab.phase_name(1, None, "tree:a") == "1:tree:a"
+
+
+def test_per_round_pools_the_prompt_phases_of_a_round():
+    phases = [{"round": 0, "prompt": 0, "variant": "x", "output_tokens": 10, "seconds": 1.0},
+              {"round": 0, "prompt": 1, "variant": "x", "output_tokens": 30, "seconds": 1.0},
+              {"round": 0, "prompt": 0, "variant": "y", "output_tokens": 5, "seconds": 1.0},
+              {"round": 1, "prompt": 0, "variant": "x", "output_tokens": 12, "seconds": 2.0}]
+    assert ab.per_round({"phases": phases}, "x") == [20.0, 6.0]
+    assert ab.per_round({"phases": phases}, "y") == [5.0]
+
+
 def test_summary_ratios_and_shares():
     ph = [{"variant": "no-drafting", "output_tokens": 100, "seconds": 10.0, "num_drafts": 0, "num_accepted_tokens": 0,
            "chosen": {"none": 90}},

@@ -14,7 +14,8 @@ and batched verification come into play); with ``--repeats`` the phases are rota
 tokens/s are summed over the rounds. ``--interleave prompt`` (the default at one request at a time) goes further:
 a phase is one prompt under one variant, and every prompt runs under all the variants back to back (their order
 rotated by round and prompt), so a few seconds of the machine's drift fall on every variant alike instead of on
-one variant's whole phase. Same engine, same process, same prompts: the ratios are fair ones.
+one variant's whole phase. Same engine, same process, same prompts: the ratios are fair ones. ``--skip-prompts N``
+measures on prompts after the first N, which ``build-trees --num-prompts N`` calibrated the set on.
 
 Per variant: output tokens/s and its ratio to no drafting and to the best static tree, mean acceptance length
 (bonus token included; vLLM's counters), and for the schedule the share of steps each tree was chosen. Per tree:
@@ -75,6 +76,16 @@ def prompt_phase_order(names: list[str], repeats: int, num_prompts: int) -> list
     first as often as the others and a slow stretch of the machine hits all of them within seconds."""
     return [(r, p, names[(i + r + p) % len(names)])
             for r in range(repeats) for p in range(num_prompts) for i in range(len(names))]
+
+
+def select_prompts(prompt_set: str, num: int, *, skip: int = 0, max_chars: int | None = None) -> list:
+    """The first ``num`` prompts of ``prompt_set`` shorter than ``max_chars`` characters, leaving out the set's
+    first ``skip`` prompts (unfiltered: the ones ``vllm-entmtp build-trees --num-prompts skip`` calibrates on).
+    Returns ``vllm_entmtp.datasets.Prompt`` objects; raises ``ValueError`` for an unknown set."""
+    from vllm_entmtp.datasets import load_prompts
+
+    seen = {p.id for p in load_prompts(prompt_set, limit=skip)} if skip else set()
+    return [p for p in load_prompts(prompt_set, max_chars=max_chars) if p.id not in seen][:num]
 
 
 def phase_name(r: int, p: int | None, name: str) -> str:
@@ -213,7 +224,9 @@ def markdown_report(results: list[dict], max_loss: float = 0.02) -> str:
     for r in results:
         v, best = r["variants"], r["best_static"]
         out += [f"### {r['prompt_set']} (tree set `{Path(r['tree_set']).stem}`)", "",
-                f"{r['num_prompts']} prompts x {r['max_tokens']} tokens, {r['repeats']} rounds"
+                f"{r['num_prompts']} prompts"
+                f"{' (after the first ' + str(r['skip_prompts']) + ')' if r.get('skip_prompts') else ''} x "
+                f"{r['max_tokens']} tokens, {r['repeats']} rounds"
                 f"{' (every prompt under all variants back to back)' if r.get('interleave') == 'prompt' else ''}, "
                 f"{r['dtype']}, one "
                 f"{'compiled' if r.get('compiled') else 'eager'} engine, {load_text(r)}.", "",
@@ -270,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-set", default="humaneval")
     ap.add_argument("--num-prompts", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--skip-prompts", type=int, default=0, metavar="N",
+                    help="leave out the first N prompts of the set (as `vllm-entmtp build-trees --num-prompts N` "
+                         "reads them: the set's first N, unfiltered), so that a tree set calibrated on them is "
+                         "measured on prompts it has not seen (default %(default)s)")
     ap.add_argument("--max-prompt-chars", type=int, default=1500,
                     help="skip prompts whose text is this long or longer (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds, phases rotated each round (default 1)")
@@ -314,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--tree-set is required (or --report FILES)")
     if min(args.repeats, args.num_prompts, args.max_tokens, args.concurrency) < 1:
         ap.error("--repeats, --num-prompts, --max-tokens and --concurrency must be >= 1")
+    if args.skip_prompts < 0:
+        ap.error("--skip-prompts must be >= 0")
     if args.extra_trees < 0:
         ap.error("--extra-trees must be >= 0")
     interleave = args.interleave or ("prompt" if args.concurrency == 1 else "round")
@@ -321,7 +340,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--interleave prompt needs --concurrency 1 (a phase of one prompt has one request in flight)")
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from vllm_entmtp.datasets import load_prompts
     from vllm_entmtp.harness import run_job
     from vllm_entmtp.models import prepare_default_model
     from vllm_entmtp.stats import STEP_TIMES_ENV, step_costs_from_times
@@ -335,7 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     vs = dict(variants(tree_ids))
     if args.no_schedule:
         vs.pop(SCHEDULED)
-    prompts = load_prompts(args.prompt_set, limit=args.num_prompts, max_chars=args.max_prompt_chars)
+    prompts = select_prompts(args.prompt_set, args.num_prompts, skip=args.skip_prompts,
+                             max_chars=args.max_prompt_chars)
+    if not prompts:
+        ap.error(f"no prompts of {args.prompt_set} left after --skip-prompts {args.skip_prompts}")
     # (round, prompt index or None for all prompts, variant) of every phase
     order = ([(r, p, n) for r, p, n in prompt_phase_order(list(vs), args.repeats, len(prompts))]
              if interleave == "prompt" else [(r, None, n) for r, n in phase_order(list(vs), args.repeats)])
@@ -384,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     source = Path(ts.source).resolve()
     shown = source.relative_to(Path.cwd()) if source.is_relative_to(Path.cwd()) else source  # no machine paths
     result = {"tree_set": str(shown), "prompt_set": args.prompt_set, "num_prompts": len(prompts),
+              "skip_prompts": args.skip_prompts, "prompt_ids": [p.id for p in prompts],
               "max_tokens": args.max_tokens, "repeats": args.repeats, "interleave": interleave, "dtype": args.dtype,
               "concurrency": args.concurrency, "max_verify_tokens_per_step": args.max_verify_tokens_per_step,
               "load_policy": args.load_policy, "compiled": args.compiled, "phases": phases,

@@ -42,6 +42,18 @@ def test_per_round_pools_the_prompt_phases_of_a_round():
     assert ab.per_round({"phases": phases}, "y") == [5.0]
 
 
+def test_skip_prompts_leaves_out_the_calibration_prompts():
+    from vllm_entmtp.datasets import load_prompts
+
+    calib = {p.id for p in load_prompts("sharegpt", limit=16)}  # what build-trees --num-prompts 16 reads
+    held_out = ab.select_prompts("sharegpt", 6, skip=16, max_chars=1500)
+    assert len(held_out) == 6 and not calib & {p.id for p in held_out}
+    assert all(len(p.messages[-1]["content"]) < 1500 for p in held_out)
+    first = ab.select_prompts("sharegpt", 6, max_chars=1500)
+    assert [p.id for p in first] == [p.id for p in load_prompts("sharegpt", limit=6, max_chars=1500)]
+    assert calib & {p.id for p in first}
+
+
 def test_summary_ratios_and_shares():
     ph = [{"variant": "no-drafting", "output_tokens": 100, "seconds": 10.0, "num_drafts": 0, "num_accepted_tokens": 0,
            "chosen": {"none": 90}},

@@ -88,6 +88,18 @@ def select_prompts(prompt_set: str, num: int, *, skip: int = 0, max_chars: int |
     return [p for p in load_prompts(prompt_set, max_chars=max_chars) if p.id not in seen][:num]
 
 
+def outputs_differing(outputs: dict[tuple[int, int], dict[str, list[int]]]) -> dict[str, int]:
+    """Per variant, how many of its (round, prompt) greedy outputs differ token for token from no drafting's on
+    the same prompt in the same round (float32 greedy decoding is lossless: all should be 0)."""
+    out: dict[str, int] = {}
+    for runs in outputs.values():
+        ref = runs.get(NO_DRAFT)
+        for name, ids in runs.items():
+            if name != NO_DRAFT:
+                out[name] = out.get(name, 0) + (ref is not None and ids != ref)
+    return out
+
+
 def phase_name(r: int, p: int | None, name: str) -> str:
     """The harness's name of a phase: ``round:variant``, or ``round:prompt:variant`` for a one-prompt phase."""
     return f"{r}:{name}" if p is None else f"{r}:{p}:{name}"
@@ -146,6 +158,16 @@ def tree_step_keys(tree_set, tree_ids) -> dict[str, str]:
     return {t: tree_step_key(tree_set.get(t)) for t in tree_ids}
 
 
+def chosen_step_key(chosen: str, keys: dict[str, str]) -> str:
+    """The step key of a ``chosen`` entry: a tree id, or ``id@n`` for the first ``n`` nodes of a chain (cut by
+    the load cap or by ``schedule.chain_stop``), whose key is ``"n"``; ``""`` when unknown (a cut tree)."""
+    base, _, n = chosen.partition("@")
+    key = keys.get(base, "")
+    if not n:
+        return key
+    return n if key.isdigit() else ""
+
+
 def step_time_speedups(result: dict) -> dict[str, float]:
     """Per variant, its speed-up over no drafting estimated from the engine's median step times instead of the
     wall clock: ``output tokens / sum over its steps of the step cost of the tree drafted`` (``chosen`` counts
@@ -171,7 +193,7 @@ def step_time_speedups(result: dict) -> dict[str, float]:
     for name, o in result["variants"].items():
         units = 0.0
         for tree, n in o["chosen"].items():
-            cost = 1.0 if tree == "none" else costs.get(keys.get(tree, ""))
+            cost = 1.0 if tree == "none" else costs.get(chosen_step_key(tree, keys))
             if cost is None:
                 break
             units += n * cost
@@ -246,6 +268,11 @@ def markdown_report(results: list[dict], max_loss: float = 0.02) -> str:
             if corr:
                 out += ["", f"Pearson r, {what} when a tree was drafted vs its accepted draft tokens: " + ", ".join(
                     f"{t} {c['r']:+.2f} (n={c['n']})" for t, c in corr.items() if c.get("r") is not None)]
+        if r.get("outputs_differing") is not None:
+            differ = {n: k for n, k in r["outputs_differing"].items() if k}
+            out += ["", "Greedy outputs: identical to no drafting's for every variant, round and prompt." if not differ
+                    else "Greedy outputs that differ from no drafting's (rounds x prompts): "
+                    + ", ".join(f"{n} {k}" for n, k in differ.items()) + "."]
         if r.get("step_cost_by_nodes"):
             out += ["", "Step cost by draft nodes (median engine step period, no drafting = 1; \"Nt\": a tree that "
                     "needs the attention fix): "
@@ -383,10 +410,12 @@ def main(argv: list[str] | None = None) -> int:
         raw = run_job(job)
     except RuntimeError as e:
         sys.exit(str(e))
-    phases, before = [], {}
+    phases, before, outputs = [], {}, {}
     for (r, p, n) in order:
         res = raw[phase_name(r, p, n)]
         chosen = res["tree_stats"].get("chosen", {})
+        for i, ids in enumerate(res["token_ids"]):
+            outputs.setdefault((r, i if p is None else p), {})[n] = ids
         phases.append({"round": r, **({} if p is None else {"prompt": p}), "variant": n,
                        "output_tokens": sum(map(len, res["token_ids"])),
                        "seconds": res["seconds"], "num_drafts": res["spec"]["num_drafts"],
@@ -394,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         before = chosen
     final_stats = raw[phase_name(*order[-1])]["tree_stats"]
     summary = summarize(phases, list(vs))
+    summary["outputs_differing"] = outputs_differing(outputs)
     summary["entropy_acceptance"] = final_stats.get("entropy_acceptance", {})
     summary["confidence_acceptance"] = final_stats.get("confidence_acceptance", {})
     summary["step_ms"] = final_stats.get("step_ms", {})
@@ -415,6 +445,10 @@ def main(argv: list[str] | None = None) -> int:
           f"one {'compiled' if args.compiled else 'eager'} engine, "
           f"concurrency {args.concurrency}")
     print(format_table(summary))
+    differ = {n: k for n, k in summary["outputs_differing"].items() if k}
+    print("greedy outputs identical to no drafting's in every variant, round and prompt" if not differ else
+          "greedy outputs that differ from no drafting's (round x prompt): "
+          + ", ".join(f"{n} {k}" for n, k in differ.items()))
     for key, what in (("entropy_acceptance", "entropy EMA (nats)"), ("confidence_acceptance", "path confidence")):
         corr = summary[key]
         if corr:

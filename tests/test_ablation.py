@@ -33,6 +33,20 @@ def test_prompt_interleaving_runs_every_prompt_under_all_variants_back_to_back()
     assert ab.phase_name(1, 3, "tree:a") == "1:3:tree:a" and ab.phase_name(1, None, "tree:a") == "1:tree:a"
 
 
+def test_outputs_differing_counts_runs_unlike_no_drafting():
+    outputs = {(0, 0): {"no-drafting": [1, 2, 3], "tree:a": [1, 2, 3], "scheduled": [1, 2, 4]},
+               (0, 1): {"no-drafting": [5], "tree:a": [5], "scheduled": [5]},
+               (1, 0): {"no-drafting": [1, 2, 3], "tree:a": [1, 2], "scheduled": [1, 2, 4]}}
+    assert ab.outputs_differing(outputs) == {"tree:a": 1, "scheduled": 2}
+
+
+def test_chosen_step_keys_of_cut_chains():
+    keys = {"c4": "4", "t4": "4t"}
+    assert ab.chosen_step_key("c4", keys) == "4" and ab.chosen_step_key("c4@2", keys) == "2"
+    assert ab.chosen_step_key("t4", keys) == "4t" and ab.chosen_step_key("t4@2", keys) == ""  # a cut tree: unknown
+    assert ab.chosen_step_key("x", keys) == "" and ab.chosen_step_key("x@1", keys) == ""
+
+
 def test_per_round_pools_the_prompt_phases_of_a_round():
     phases = [{"round": 0, "prompt": 0, "variant": "x", "output_tokens": 10, "seconds": 1.0},
               {"round": 0, "prompt": 1, "variant": "x", "output_tokens": 30, "seconds": 1.0},

@@ -274,6 +274,90 @@ def test_tree_set_file_loads_and_schedules(tmp_path):
     assert "no tree beats plain decoding (best: 1 nodes" in table and "bonus" in table
 
 
+def _records(ranks, top1):
+    return [{"ranks": torch.tensor(ranks, dtype=torch.int16), "head_top1": torch.tensor(top1)}]
+
+
+def test_chain_outcomes_and_cut_depths():
+    ranks = [[0, 0, 1], [0, 2, 0], [3, 0, 0], [0, 0, 0], [0, -1, -1]]  # the last has no true token for heads 1, 2
+    top1 = [[0.9, 0.8, 0.5], [0.6, 0.9, 0.9], [0.3, 0.9, 0.9], [0.95, 0.9, 0.9], [0.9, 0.9, 0.9]]
+    lead, conf, rk = C.chain_outcomes(_records(ranks, top1))
+    assert lead.tolist() == [2, 1, 0, 3] and rk.shape == (4, 3)
+    assert conf[0].tolist() == pytest.approx([0.9, 0.72, 0.36])
+    # the first node always; then while the path confidence up to the node's head is >= tau
+    assert C.cut_depths(conf, 3, 0.5).tolist() == [2, 2, 1, 3]
+    assert C.cut_depths(conf, 2, 0.5).tolist() == [2, 2, 1, 2]
+    assert C.cut_depths(conf, 3, 0.99).tolist() == [1, 1, 1, 1]
+
+
+def test_fit_chain_stop_against_fixed_chains():
+    # two kinds of positions: confident ones where the chain is right (heads say 0.95) and doubtful ones where
+    # only head 0 is (heads say 0.3 after it); a cut chain drafts 3 on the first and 1 on the second
+    ranks = [[0, 0, 0]] * 5 + [[0, 1, 1]] * 5
+    top1 = [[0.95, 0.95, 0.95]] * 5 + [[0.9, 0.3, 0.3]] * 5
+    lead, conf, _ = C.chain_outcomes(_records(ranks, top1))
+    cost = [1.0, 1.1, 1.3, 1.5]
+    fit = C.fit_chain_stop(lead, conf, cost)
+    assert fit["chains"][1] == pytest.approx(20 / 11, abs=1e-4)  # 2 tokens per step everywhere, cost 1.1
+    assert fit["chains"][3] == pytest.approx((5 * 4 + 5 * 2) / 15, abs=1e-4)
+    best = fit["best"]
+    assert best["depth"] == 3 and best["speedup"] == pytest.approx((5 * 4 + 5 * 2) / (5 * 1.5 + 5 * 1.1), abs=1e-4)
+    assert 0.9 * 0.3 < best["chain_stop"] <= 0.95 ** 3  # between the doubtful and the confident paths
+    assert best["speedup"] > max(fit["chains"].values())
+
+
+def test_ladder_evaluated_on_outcomes():
+    costs = {1: 1.1, 2: 1.2, 4: 1.5}
+    hot = _choice(0, 0.0, 1.0, [[0.9, 0.05], [0.8, 0.1]], costs)
+    cold = _choice(1, 1.0, math.inf, [[0.05, 0.05], [0.05, 0.0]], costs)
+    ranks = torch.tensor([[0, 0], [0, 1], [1, 0], [0, 0]])
+    score = torch.tensor([0.5, 0.5, 0.5, 2.0, 0.1])  # the last position has no full label
+    full = torch.tensor([True, True, True, True, False])
+    tree = set(hot.chosen.key)
+    acc = []
+    for r in ranks.tolist()[:3]:
+        d = 0
+        while d < 2 and tuple(r[:d + 1]) in tree:
+            d += 1
+        acc.append(d)
+    expected = (3 + sum(acc) + 1) / (3 * hot.chosen.cost + 1)  # the cold bin drafts nothing
+    assert cold.chosen is None
+    assert C.schedule_speedup_on_outcomes([hot, cold], score, full, ranks) == pytest.approx(expected, abs=1e-4)
+
+
+def test_tree_set_with_a_chain_stop_schedules_one_cut_chain(tmp_path):
+    costs = {1: 1.05, 2: 1.1, 4: 1.12}
+    choices = [_choice(0, 0.0, 0.5, [[0.9, 0.05], [0.8, 0.1]], costs), _choice(1, 0.5, math.inf,
+                                                                              [[0.5, 0.1], [0.3, 0.1]], costs)]
+    chains = [C.Candidate(bin=0, budget=n, paths=tuple((0,) * k for k in range(1, n + 1)), accepted=0.5 * n,
+                          verify_cost=1.0 + 0.05 * n, draft_cost=0.0) for n in (2, 1)]
+    keys = {c.key for b in choices for c in b.candidates} | {c.key for c in chains}
+    times = {"verify": {n: 10.0 * x for n, x in costs.items()}, "draft": {k: 0.5 for k in keys}}
+    obj, bin_ids = C.build_tree_set(choices, name="t", heads_kind="hydra", num_heads=2, times_ms=times,
+                                    calibration={"prompts": "hand", "positions": 20}, chain_stop=(0.35, chains))
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(obj))
+    ts = load_tree_set(str(path), num_heads=2)
+    tid = bin_ids[0]
+    assert bin_ids == [tid, tid] and ts.get(tid) == Tree.chain(2)
+    # an entropy set: the cut chain for everyone
+    assert ts.schedule.tree_ids == (tid,) and ts.schedule.thresholds == () and ts.schedule.chain_stop == 0.35
+    assert "cut where the heads' path confidence falls below 0.35" in ts.description
+    assert TreeScheduler.from_config(EntMTPConfig(policy="entropy", tree_set=str(path)), ts).ladder_ids == [tid]
+    # a confidence set: the 1-node chain below tau (the same drafts; a step down under load before none)
+    for b in choices:
+        b.stats.signal = "confidence"
+    obj, _ = C.build_tree_set(choices, name="t", heads_kind="hydra", num_heads=2, times_ms=times,
+                              calibration={"prompts": "hand", "positions": 20}, chain_stop=(0.35, chains))
+    path.write_text(json.dumps(obj))
+    ts = load_tree_set(str(path), num_heads=2)
+    one = ts.schedule.tree_ids[1]
+    assert ts.schedule.tree_ids == (tid, one) and ts.get(one) == Tree.chain(1)
+    assert ts.schedule.thresholds == (0.35,) and ts.schedule.hysteresis == 0.0 and ts.schedule.chain_stop == 0.35
+    sched = TreeScheduler.from_config(EntMTPConfig(policy="confidence", tree_set=str(path)), ts)
+    assert sched.ladder_ids == [tid, one] and sched.hysteresis == 0.0
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """A random 2-layer Llama (hidden 32) with the SmolLM2 tokenizer and chat template. Its embeddings are
@@ -382,6 +466,23 @@ def test_build_trees_end_to_end(tiny_model, tmp_path, capsys):
         TreeScheduler.from_config(EntMTPConfig(policy="entropy", tree_set=str(out)), ts)
     assert sched.policy == "confidence"
 
+    # --chain-stop: a chain cut by the heads' path confidence, fitted on the same positions (from the cache)
+    rc, out = _build(tmp_path, model, tmp_path / "hydra", "--jsonl", str(jsonl), "--name", "hy", "--signal",
+                     "confidence", "--bins", "2", "--step-costs", str(costs), "--chain-stop", "0.4")
+    assert rc == 0 and "chain stop, position by position" in capsys.readouterr().out
+    ts = load_tree_set(str(out), num_heads=3)
+    info = ts.metadata[ts.ids[0]]["calibration"]["chain_stop"]
+    assert info["asked"] == 0.4 and info["chosen"]["chain_stop"] == 0.4 and ts.schedule.chain_stop == 0.4
+    assert ts.get(ts.schedule.tree_ids[0]) == Tree.chain(info["chosen"]["depth"])
+    assert set(info["chains"]) == {"1", "2", "3"} or set(info["chains"]) == {1, 2, 3}
+    TreeScheduler.from_config(EntMTPConfig(policy="confidence", tree_set=str(out)), ts)
+    rc, out = _build(tmp_path, model, tmp_path / "hydra", "--jsonl", str(jsonl), "--name", "hy", "--signal",
+                     "confidence", "--bins", "2", "--step-costs", str(costs), "--chain-stop", "auto")
+    assert rc == 0
+    info = load_tree_set(str(out), num_heads=3).metadata[ts.ids[0]]["calibration"]["chain_stop"]
+    assert info["asked"] == "auto" and len(info["cut"]["2"]) == len(C.CHAIN_STOP_GRID)
+    assert (info["chosen"] is not None) == (info["best"]["speedup"] > info["ladder"])
+
 
 def test_build_trees_bad_inputs(tiny_model, tmp_path):
     model, vocab = tiny_model
@@ -394,14 +495,16 @@ def test_build_trees_bad_inputs(tiny_model, tmp_path):
     bad.write_text('{"text": 1}\n')
     with pytest.raises(SystemExit, match="line 1"):
         _build(tmp_path, model, tmp_path / "wide", "--jsonl", str(bad))
-    for opt in (["--node-budgets", "0,2"], ["--max-tokens", "1"], ["--signal", "nope"]):
+    for opt in (["--node-budgets", "0,2"], ["--max-tokens", "1"], ["--signal", "nope"], ["--chain-stop", "1.5"],
+                ["--chain-stop", "often"]):
         with pytest.raises(SystemExit):
             _build(tmp_path, model, tmp_path / "wide", "--prompt-set", "humaneval", *opt)
     make_heads(tmp_path / "ok", hidden_size=32, vocab_size=vocab, num_heads=2)
     for opt, msg in ((["--edges", "0.5,0.2"], "strictly increasing"),
                      (["--signal", "confidence", "--edges", "0.2,0.5"], "strictly decreasing"),
                      (["--step-costs", str(tmp_path / "absent.json")], "--step-costs"),
-                     (["--decode-row-cost", "2"], "--decode-row-cost 2.0: expected a number in")):
+                     (["--decode-row-cost", "2"], "--decode-row-cost 2.0: expected a number in"),
+                     (["--chain-stop", "auto"], "--chain-stop needs --step-costs")):
         with pytest.raises(SystemExit, match=msg):  # before any statistics are computed
             _build(tmp_path, model, tmp_path / "ok", "--prompt-set", "humaneval", *opt)
 

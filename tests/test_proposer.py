@@ -43,6 +43,35 @@ def test_confidence_threshold_cuts_chains_where_path_probability_drops():
     assert any(len(o) < 3 for o in out)  # the threshold did cut something in this draw
 
 
+def test_chain_stop_keeps_the_first_node_and_is_per_request():
+    from vllm_entmtp.trees import Tree
+
+    drafter, heads, w = _drafter()  # no global threshold
+    x = torch.randn(8, 8)
+    top_p, top_ids = torch.softmax(heads.logits(x, w), -1).max(-1)  # [heads, B]
+    path = torch.cumprod(top_p, 0)
+    two = path[1].sort().values
+    stop = float(two[3] + two[4]) / 2  # some chains keep two nodes or more, some fewer (between two values)
+    trees = [Tree.chain(3)] * 7 + [Tree([[0], [1]])]
+    out = drafter.propose(x, trees, chain_stop=[stop] * 6 + [None, stop])
+    for b in range(6):
+        n = 1  # the first node always
+        while n < 3 and path[n, b] >= stop:
+            n += 1
+        assert out[b] == top_ids[:n, b].tolist()
+    assert any(len(o) == 1 for o in out[:6]) and any(len(o) > 1 for o in out[:6])
+    assert out[6] == top_ids[:, 6].tolist()  # None: the drafter's own threshold (0: no cut)
+    assert len(out[7]) == 2  # a branching tree is never cut
+    # with a global threshold too: chain_stop entries override it for their requests, None entries keep it
+    high, _, _ = _drafter(threshold=0.999)
+    cut = high.propose(x[:2], [Tree.chain(3)] * 2, chain_stop=[stop, None])
+    assert cut[0] == out[0] and cut[1] == []
+    with pytest.raises(ValueError, match="chain_stop has 1 entries for 2 requests"):
+        high.propose(x[:2], [Tree.chain(3)] * 2, chain_stop=[0.5])
+    with pytest.raises(ValueError, match=r"chain_stop entries must be in \[0, 1\), got 1.5"):
+        high.propose(x[:1], [Tree.chain(3)], chain_stop=[1.5])
+
+
 def test_tree_nodes_carry_the_heads_topk_by_depth_and_rank():
     from vllm_entmtp.trees import Tree
 
@@ -134,6 +163,26 @@ def test_hydra_confidence_threshold_cuts_chains():
             n += 1
         assert out[b] == full[b][:n]
     assert any(len(o) < 2 for o in out) and any(len(o) >= 2 for o in out)
+
+
+def test_hydra_chain_stop_keeps_the_first_node_and_reuses_the_confidence_state():
+    from vllm_entmtp.trees import Tree
+
+    drafter, heads, w, e = _hydra(seed=3)
+    x, bonus = torch.randn(8, 8), torch.arange(8)
+    probs, state = drafter.confidence(x, bonus)
+    full = drafter.propose_chains(x, bonus, [3] * 8)
+    path = torch.cumprod(probs, 1)
+    two = path[:, 1].sort().values
+    stop = float(two[3] + two[4]) / 2
+    out = drafter.propose(x, [Tree.chain(3)] * 8, bonus, state, chain_stop=[stop] * 8)
+    for b in range(8):
+        n = 1
+        while n < 3 and float(path[b, n]) >= stop:
+            n += 1
+        assert out[b] == full[b][:n]
+    assert any(len(o) == 1 for o in out) and any(len(o) > 1 for o in out)
+    assert drafter.propose(x, [Tree.chain(3)] * 8, bonus, chain_stop=[stop] * 8) == out  # no state: the same
 
 
 def test_hydra_small_head_evaluations_use_the_float16_draft_lm_head():

@@ -239,6 +239,8 @@ def test_schedule_is_optional_and_loaded(tmp_path):
     assert ts.schedule.thresholds == (1.0,) and ts.ids == ["a", "b", "c"]  # trees keep file order
     for name in ["chain4", "ladder", "medusa63", "small"]:
         assert load_tree_set(name).schedule is None
+    ts = load_tree_set(_write(tmp_path, _scheduled(signal="confidence", thresholds=[0.7, 0.2], chain_stop=0.25)))
+    assert ts.schedule.chain_stop == 0.25 and _scheduled()["schedule"].get("chain_stop") is None
 
 
 @pytest.mark.parametrize("schedule,message", [
@@ -260,6 +262,9 @@ def test_schedule_is_optional_and_loaded(tmp_path):
                                            r"finite number"),
     (dict(hysteresis=-1.0), r"schedule.hysteresis: Input should be greater than or equal to 0"),
     (dict(tree_ids=[]), r"schedule.tree_ids: List should have at least 1 item"),
+    (dict(chain_stop=1.0), r"schedule.chain_stop: Input should be less than 1"),
+    (dict(chain_stop="0.5"), r"schedule.chain_stop: Input should be a valid number"),
+    (dict(chain_stop=0.0), r"schedule.chain_stop: Input should be greater than 0"),
     (dict(colour="red"), r"schedule.colour: Extra inputs are not permitted"),
 ])
 def test_schedule_errors_name_file_and_entry(tmp_path, schedule, message):

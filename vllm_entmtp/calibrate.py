@@ -816,6 +816,82 @@ def expected_overall(choices: list[BinChoice]) -> dict:
     return out
 
 
+CHAIN_STOP_GRID = tuple(round(0.05 * i, 2) for i in range(1, 20))  # 0.05 .. 0.95
+
+
+def chain_outcomes(records: Sequence[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per position with a true token for every head: ``(lead, path_conf, ranks)``. ``lead``: ``int64 [N]``,
+    how many of the heads' top-1 tokens along the true path are right in a row (a chain of ``n`` draft tokens
+    accepts ``min(n, lead)``); ``path_conf``: ``float32 [N, heads]``, the product of the heads' top-1
+    probabilities along their own greedy chain up to each head (what the drafter cuts a chain on);
+    ``ranks``: ``int64 [N, heads]``. Positions near a continuation's end (a head without a true token) are left
+    out."""
+    ranks = torch.cat([r["ranks"] for r in records]).long()
+    top1 = torch.cat([r["head_top1"] for r in records]).float()
+    full = (ranks >= 0).all(dim=1)
+    ranks, top1 = ranks[full], top1[full]
+    lead = torch.cumprod((ranks == 0).long(), dim=1).sum(dim=1)
+    return lead, torch.cumprod(top1, dim=1), ranks
+
+
+def cut_depths(path_conf: torch.Tensor, depth: int, tau: float) -> torch.Tensor:
+    """``int64 [N]``: nodes a chain of ``depth`` keeps under ``chain_stop = tau``: the first, then each next while
+    the path confidence up to its head is >= ``tau`` (``vllm_entmtp.proposer.MTPDrafter.propose``)."""
+    ok = (path_conf[:, 1:depth] >= tau).long()
+    return 1 + torch.cumprod(ok, dim=1).sum(dim=1)
+
+
+def fit_chain_stop(lead: torch.Tensor, path_conf: torch.Tensor, chain_cost: Sequence[float],
+                   taus: Sequence[float] = CHAIN_STOP_GRID) -> dict:
+    """Speed-ups over plain decoding, position by position on the calibration's own outcomes (one step per
+    position, as :func:`expected_overall`): of each chain of 1 to ``heads`` nodes, and of each chain of 2 or
+    more nodes cut at each ``tau``; the best cut chain.
+
+    Args:
+        lead, path_conf: from :func:`chain_outcomes`.
+        chain_cost: ``chain_cost[n]``, the step cost of a chain of ``n`` draft nodes (``[0]`` = 1.0, no
+            drafting), ``n`` up to the number of heads.
+
+    Returns:
+        ``{"chains": {n: x}, "cut": {depth: {tau: x}}, "best": {"depth": d, "chain_stop": tau, "speedup": x}}``.
+    """
+    cost = torch.tensor(list(chain_cost), dtype=torch.float64)
+    heads = path_conf.shape[1]
+
+    def speed(nodes: torch.Tensor) -> float:
+        tokens = 1 + torch.minimum(nodes, lead)
+        return float(tokens.sum() / cost[nodes].sum())
+
+    chains = {n: round(speed(torch.full_like(lead, n)), 4) for n in range(1, heads + 1)}
+    cut = {d: {t: round(speed(cut_depths(path_conf, d, t)), 4) for t in taus} for d in range(2, heads + 1)}
+    d, t = max(((d, t) for d in cut for t in cut[d]), key=lambda dt: (cut[dt[0]][dt[1]], -dt[0]))
+    return {"chains": chains, "cut": cut, "best": {"depth": d, "chain_stop": t, "speedup": cut[d][t]}}
+
+
+def schedule_speedup_on_outcomes(choices: list[BinChoice], score: torch.Tensor, full: torch.Tensor,
+                                 ranks: torch.Tensor) -> float:
+    """The bins' schedule (each position drafting its bin's scheduled tree, or nothing) evaluated position by
+    position on the calibration's outcomes, like :func:`fit_chain_stop`: a tree accepts its deepest node whose
+    path of ranks matches the true tokens' ranks. ``score``: the scheduler's score of every position, binned at
+    the choices' lower edges; ``full``: the positions :func:`chain_outcomes` kept (bool mask over ``score``),
+    ``ranks`` their ranks."""
+    edges = torch.tensor([float(b.stats.lo) for b in choices[1:]], dtype=torch.float64)
+    which = torch.bucketize(score[full].double(), edges, right=True)
+    by_bin = {b.stats.index: b.chosen for b in choices}
+    tokens = cost = 0.0
+    for w, rk in zip(which.tolist(), ranks.tolist()):
+        c = by_bin.get(w)
+        if c is None:
+            tokens, cost = tokens + 1.0, cost + 1.0
+            continue
+        nodes = set(c.key)
+        d = 0
+        while d < len(rk) and tuple(rk[:d + 1]) in nodes:
+            d += 1
+        tokens, cost = tokens + 1.0 + d, cost + c.cost
+    return round(tokens / cost, 4)
+
+
 def _tree_metadata(c: Candidate, key: tuple[Path_, ...], choices: list[BinChoice], verify_ms: float,
                    draft_ms: float) -> dict:
     from vllm_entmtp.trees import Tree
@@ -838,9 +914,39 @@ def _tree_metadata(c: Candidate, key: tuple[Path_, ...], choices: list[BinChoice
     }
 
 
+def _fit_chain_stop_schedule(asked: str | float, records: Sequence[dict], score: torch.Tensor,
+                             bins: list[BinStats], choices: list[BinChoice],
+                             chains: list[tuple[Path_, ...]], step_costs: dict
+                             ) -> tuple[tuple[float, list[Candidate]] | None, dict]:
+    """``build-trees --chain-stop``: fit (``"auto"``) or take the cut, compare it with the bins' ladder on the
+    calibration's positions; ``((tau, [D-node chain, 1-node chain]) or None, the record for
+    metadata.calibration)``."""
+    lead, path_conf, ranks = chain_outcomes(records)
+    full = torch.cat([(r["ranks"] >= 0).all(dim=1) for r in records])
+    chain_cost = [1.0] + [step_cost_of(step_costs, k) for k in chains]
+    taus = CHAIN_STOP_GRID if asked == "auto" else (float(asked),)
+    fit = fit_chain_stop(lead, path_conf, chain_cost, taus)
+    ladder = schedule_speedup_on_outcomes(choices, score, full, ranks)
+    best = fit["best"]
+    use = asked != "auto" or best["speedup"] > ladder
+    chosen = None
+    if use:
+        chosen = [Candidate(bin=0, budget=len(key), paths=key, accepted=expected_accepted(key, bins[0].P),
+                            verify_cost=chain_cost[len(key)], draft_cost=0.0)
+                  for key in (chains[best["depth"] - 1], chains[0])]
+    info = {"fit": "position by position on the calibration's outcomes (one step per position): speed-up over "
+                   "plain decoding of the bins' ladder, of each chain, and of each chain of 2+ nodes cut at each "
+                   "chain_stop (step costs of chains from --step-costs)",
+            "positions": int(lead.numel()), "ladder": ladder, "chains": fit["chains"],
+            "cut": {str(d): {str(t): x for t, x in row.items()} for d, row in fit["cut"].items()},
+            "best": best, "asked": asked,
+            "chosen": {"depth": best["depth"], "chain_stop": best["chain_stop"]} if use else None}
+    return ((best["chain_stop"], chosen) if use else None), info
+
+
 def build_tree_set(choices: list[BinChoice], *, name: str, heads_kind: str, num_heads: int,
-                   times_ms: dict[str, Any], calibration: dict, hysteresis: float | None = None
-                   ) -> tuple[dict, list[str]]:
+                   times_ms: dict[str, Any], calibration: dict, hysteresis: float | None = None,
+                   chain_stop: tuple[float, list[Candidate]] | None = None) -> tuple[dict, list[str]]:
     """The tree-set JSON object (``docs/trees.md``, schema version 1) with a ``schedule``.
 
     Bins (``choices``, all of one signal, most aggressive first) become the schedule's ladder, with thresholds
@@ -850,6 +956,11 @@ def build_tree_set(choices: list[BinChoice], *, name: str, heads_kind: str, num_
     edges between bins; neighbouring bins with the same tree are merged (their edge dropped), and a tree
     scheduled again after another gets a copy under its own bin's id (ids in a ladder are unique).
     ``calibration`` (statistics, cost table, settings) goes into the metadata of the first tree.
+    With ``chain_stop = (tau, [chain of D nodes, chain of 1 node])``, the schedule is the chain of D nodes for
+    every request, cut at ``tau`` (``schedule.chain_stop``), instead of the bins' ladder; with the confidence
+    signal the ladder is ``[D-chain, 1-chain]`` with the threshold ``tau`` and hysteresis 0 (unless given):
+    the same drafts, since a first head below ``tau`` keeps only the first node anyway, and under load the
+    scheduler steps a request down to one node before it stops drafting. The chains join the trees.
 
     Args:
         times_ms: ``{"verify": {n: ms}, "draft": {tree key: ms}}``.
@@ -891,6 +1002,15 @@ def build_tree_set(choices: list[BinChoice], *, name: str, heads_kind: str, num_
             thresholds.append(sign * float(b.stats.lo))
         ladder.append((tid, key))
         bin_ids.append(tid)
+    if chain_stop is not None:
+        tau, chains = chain_stop
+        if signal != "confidence" or chains[0].num_nodes == chains[-1].num_nodes:
+            chains = chains[:1]
+        ladder = [(entries.setdefault(c.key, (f"chain{c.num_nodes}", c))[0], c.key) for c in chains]
+        thresholds = [tau] if len(ladder) == 2 else []
+        bin_ids = [ladder[0][0]] * len(choices)
+        if hysteresis is None and thresholds:
+            hysteresis = 0.0
     trees = [(tid, key, c) for key, (tid, c) in entries.items()] + [(t, k, c) for t, (k, c) in extra.items()]
     trees.sort(key=lambda it: (len(it[1]), it[0]))
     out_trees = []
@@ -901,10 +1021,16 @@ def build_tree_set(choices: list[BinChoice], *, name: str, heads_kind: str, num_
     sched: dict[str, Any] = {"signal": signal, "thresholds": thresholds, "tree_ids": [t for t, _ in ladder]}
     if hysteresis is not None:
         sched["hysteresis"] = float(hysteresis)
+    if chain_stop is not None:
+        sched["chain_stop"] = float(chain_stop[0])
     summary = "; ".join(
         f"bin {b.stats.index} {_SIGNAL_LABEL[signal]} in {b.stats.range_str()}: "
         + ("none (no tree is expected to beat plain decoding)" if tid == NO_DRAFT_ID else tid)
         for b, tid in zip(choices, bin_ids))
+    if chain_stop is not None:
+        summary += (f" (every bin: the chain {ladder[0][0]} cut where the heads' path confidence falls below "
+                    f"{chain_stop[0]}, schedule.chain_stop"
+                    + (f"; {ladder[1][0]} below that first-head confidence" if len(ladder) == 2 else "") + ")")
     desc = (f"Built by vllm-entmtp build-trees from {calibration['prompts']} ({calibration['positions']} "
             f"positions) for {heads_kind} heads: per {signal} bin, greedy trees at each node budget, their Pareto "
             f"frontier of measured cost vs expected tokens per step, and the tree with the best expected "
@@ -1069,6 +1195,18 @@ def read_step_costs(paths: str | Path | Sequence[str | Path]) -> dict[str, dict[
     return {kind: {n: statistics.median(cs) for n, cs in sorted(t.items())} for kind, t in seen.items()}
 
 
+def _chain_stop_arg(text: str) -> str | float:
+    if text == "auto":
+        return text
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not 0.0 < x < 1.0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number in (0, 1), got {text!r}")
+    return x
+
+
 def step_cost_of(costs: dict[str, dict[int, float]], paths: Sequence[Sequence[int]]) -> float:
     """Measured step cost of the tree ``paths`` (:func:`read_step_costs`): from the tree table when its rows need
     the tree-attention fix (it branches before its end), else from the chain table, interpolated in the node
@@ -1152,6 +1290,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="step costs measured inside vLLM (\"step_cost_by_nodes\" of benchmarks/ablation.py "
                         "results), used instead of timing a transformers forward and the drafter here; with "
                         "several files (runs), each cost is the median over the files that measured it")
+    p.add_argument("--chain-stop", type=_chain_stop_arg, default=None, metavar="auto|TAU",
+                   help="also try the schedule 'every request drafts the heads' top-1 chain, cut where its path "
+                        "confidence falls below TAU' (schedule.chain_stop; the first node always drafted): auto "
+                        "fits the chain depth and TAU on the calibration's positions and writes that schedule "
+                        "when it beats the bins' ladder there; a number in (0, 1) writes it with that TAU. Needs "
+                        "--step-costs (default: not tried)")
     p.add_argument("--decode-row-cost", type=float, default=None,
                    help="what one more request's decode row adds to a step, in one-request plain steps, measured "
                         "on this hardware (e.g. the slope of plain decoding's step time over batch sizes, "
@@ -1202,6 +1346,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.decode_row_cost is not None and not (0 <= args.decode_row_cost <= 1):
         raise ValueError(f"--decode-row-cost {args.decode_row_cost}: expected a number in [0, 1] (a fraction of a "
                          "one-request plain step)")
+    if args.chain_stop is not None and not args.step_costs:
+        raise ValueError("--chain-stop needs --step-costs (the costs of chains of every length, measured in vLLM)")
     given_edges = edge_scores(args.edges, args.signal) if args.edges else None  # bad edges fail before any work
     step_costs = read_step_costs(args.step_costs) if args.step_costs else None
     if args.threads:
@@ -1259,7 +1405,9 @@ def _run(args: argparse.Namespace) -> int:
     cands = {b.index: candidates_for_bin(b, budgets, num_heads) for b in bins}
 
     # 3. cost: verification by node count, drafting by tree (or both, measured in vLLM, by node count)
-    sizes = sorted({0} | {c.num_nodes for cs in cands.values() for c in cs})
+    chains = [tuple((0,) * k for k in range(1, n + 1)) for n in range(1, num_heads + 1)]  # chain keys
+    sizes = sorted({0} | {c.num_nodes for cs in cands.values() for c in cs}
+                   | (set(range(1, num_heads + 1)) if args.chain_stop is not None else set()))
     if step_costs:
         files = ", ".join(args.step_costs)
         _log(f"step costs measured in vLLM ({files}; median per key over the files): " + "; ".join(
@@ -1271,7 +1419,10 @@ def _run(args: argparse.Namespace) -> int:
         _log("vLLM's CPU GEMM (oneDNN) is not available here: timing with torch's")
     verify_s = monotone_times(measure_verify_times(model, sizes, args.cost_context, args.cost_repeats,
                                                    seed=args.seed))
-    distinct = list({c.key: Tree(c.key) for cs in cands.values() for c in cs}.items())
+    distinct = {c.key: Tree(c.key) for cs in cands.values() for c in cs}
+    if args.chain_stop is not None:
+        distinct.update({k: Tree(k) for k in chains if k not in distinct})
+    distinct = list(distinct.items())
     first = records[0]
     hid = greedy_continuation(view, render_prompt(tokenizer, prompts[0]["messages"], args.max_prompt_tokens), 1)[1]
     draft_s = measure_draft_times(make_drafter(heads, view), [t for _, t in distinct], hid,
@@ -1286,6 +1437,10 @@ def _run(args: argparse.Namespace) -> int:
                 c.verify_cost = verify_s[c.num_nodes] / base
                 c.draft_cost = draft_of[c.key] / base
     choices = [choose(b, cands[b.index]) for b in bins]
+    chain_stop = chain_info = None
+    if args.chain_stop is not None:
+        chain_stop, chain_info = _fit_chain_stop_schedule(args.chain_stop, records, score, bins, choices, chains,
+                                                          step_costs)
 
     # 4. the tree set
     calibration = {
@@ -1316,12 +1471,14 @@ def _run(args: argparse.Namespace) -> int:
                                                  for kind, t in step_costs.items() for n, c in t.items()},
                                              "used": "instead of verify + draft above"}
     calibration["expected_overall"] = overall = expected_overall(choices)
+    if chain_info is not None:
+        calibration["chain_stop"] = chain_info
     calibration["signal_correlations"] = corr = signal_correlations(records, defaults.entropy_window)
     name = args.name or f"{label}-{kind}"
     times_ms = {"verify": {n: s * 1e3 for n, s in verify_s.items()},
                 "draft": {k: s * 1e3 for k, s in draft_of.items()}}
     ts_json, bin_ids = build_tree_set(choices, name=name, heads_kind=kind, num_heads=num_heads, times_ms=times_ms,
-                             calibration=calibration, hysteresis=args.hysteresis)
+                             calibration=calibration, hysteresis=args.hysteresis, chain_stop=chain_stop)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(ts_json, indent=1) + "\n")
     os.replace(tmp, out)
@@ -1343,6 +1500,13 @@ def _run(args: argparse.Namespace) -> int:
         bs = overall["best_static"]
         print(f"expected over all positions: schedule x{overall['schedule']:.3f}; best single tree "
               f"({bs['num_nodes']} nodes {bs['paths']}) x{bs['speedup']:.3f}")
+    if chain_info is not None:
+        best = chain_info["best"]
+        print(f"chain stop, position by position on the calibration: bins' ladder x{chain_info['ladder']:.3f}; "
+              "chains " + ", ".join(f"{n}: x{x:.3f}" for n, x in chain_info["chains"].items())
+              + f"; best cut chain: {best['depth']} nodes, chain_stop {best['chain_stop']} x{best['speedup']:.3f}; "
+              + (f"scheduled: chain{chain_info['chosen']['depth']} cut at {chain_info['chosen']['chain_stop']}"
+                 if chain_info["chosen"] else "not scheduled (the ladder is expected to be faster)"))
     print("signals vs acceptance (Pearson r with head 0's hit / the chain's accepted length; head 0's hit rate "
           "in the top / bottom 30 % of the signal): " + "; ".join(
               f"{n} {v['r_first']:+.2f}/{v['r_chain']:+.2f} ({v['first_hit_top30']:.2f} vs "

@@ -25,6 +25,26 @@ from vllm_entmtp.tree_proposal import build_tree_drafts, needed_heads, needed_to
 from vllm_entmtp.trees import Tree
 
 
+def chain_stops(b: int, chain_stop: Sequence[float | None] | None, default: float) -> list[tuple[float, int]]:
+    """Per request ``(threshold, min_nodes)`` of the chain cut: ``chain_stop[i]`` (a tree set schedule's
+    ``chain_stop``, keeping at least the first node), else the drafter's ``confidence_threshold`` (which may cut
+    a chain to nothing). ``threshold`` 0: no cut.
+
+    Raises:
+        ValueError: ``chain_stop`` does not have ``b`` entries, or an entry is outside [0, 1).
+    """
+    if chain_stop is None:
+        return [(default, 0)] * b
+    if len(chain_stop) != b:
+        raise ValueError(f"chain_stop has {len(chain_stop)} entries for {b} requests")
+    out = []
+    for x in chain_stop:
+        if x is not None and not 0.0 <= x < 1.0:
+            raise ValueError(f"chain_stop entries must be in [0, 1), got {x!r}")
+        out.append((default, 0) if x is None else (float(x), 1))
+    return out
+
+
 class MTPDrafter:
     """Proposes per-request draft trees (chains included) from Medusa heads.
 
@@ -69,7 +89,8 @@ class MTPDrafter:
 
     @torch.inference_mode()
     def propose(self, hidden: torch.Tensor, trees: Sequence[Tree | None], bonus: torch.Tensor | None = None,
-                state: torch.Tensor | None = None) -> list[list[int]]:
+                state: torch.Tensor | None = None, chain_stop: Sequence[float | None] | None = None
+                ) -> list[list[int]]:
         """Draft tokens per request, one per node of its tree.
 
         Args:
@@ -79,15 +100,20 @@ class MTPDrafter:
                 no draft tokens. Depth must not exceed the number of heads.
 
             bonus: unused (Medusa heads do not read the bonus token); ``state``: from :meth:`confidence`.
+            chain_stop: None, or ``B`` entries in [0, 1) or None: request ``i``'s chain keeps its first node and
+                then stops before the first node whose path confidence (product of the heads' top-1
+                probabilities up to and including its head) is below ``chain_stop[i]`` (a tree set schedule's
+                ``chain_stop``); a None entry, or no list, applies ``confidence_threshold`` instead.
 
         Returns:
-            ``B`` token-id lists (``[]`` for None; a chain may come back shorter, see ``confidence_threshold``).
+            ``B`` token-id lists (``[]`` for None; a chain may come back shorter, see ``confidence_threshold``
+            and ``chain_stop``).
 
         Raises:
-            ValueError: ``len(trees) != B``, or a tree deeper than the heads.
+            ValueError: ``len(trees) != B``, a tree deeper than the heads, or a bad ``chain_stop``.
         """
         if state is not None:
-            return self.draft(state, trees)
+            return self.draft(state, trees, chain_stop)
         b = hidden.shape[0]
         if b != len(trees):
             raise ValueError(f"hidden has {b} rows but {len(trees)} trees were given")
@@ -96,21 +122,27 @@ class MTPDrafter:
             return [[] for _ in range(b)]
         if k_heads > self.heads.num_heads:
             raise ValueError(f"a tree of depth {k_heads} needs {k_heads} heads; there are {self.heads.num_heads}")
-        return self.draft(self.head_logits(hidden, k_heads), trees)
+        return self.draft(self.head_logits(hidden, k_heads), trees, chain_stop)
 
     @torch.inference_mode()
-    def draft(self, logits: torch.Tensor, trees: Sequence[Tree | None]) -> list[list[int]]:
-        """Draft tokens from precomputed head logits ``[k, B, vocab]`` (``k`` >= the trees' depth)."""
+    def draft(self, logits: torch.Tensor, trees: Sequence[Tree | None],
+              chain_stop: Sequence[float | None] | None = None) -> list[list[int]]:
+        """Draft tokens from precomputed head logits ``[k, B, vocab]`` (``k`` >= the trees' depth);
+        ``chain_stop`` as in :meth:`propose`."""
         trees = list(trees)
         if needed_heads(trees) == 0:
             return [[] for _ in trees]
-        if self.confidence_threshold > 0.0:
+        stops = chain_stops(len(trees), chain_stop, self.confidence_threshold)
+        if any(th > 0.0 for th, _ in stops):
             top_p = torch.softmax(logits.float(), dim=-1).amax(dim=-1)  # [k, B]
-            keep = (torch.cumprod(top_p, dim=0) >= self.confidence_threshold).int()
-            confident = torch.cumprod(keep, dim=0).sum(0).tolist()  # leading heads above the threshold
+            path_conf = torch.cumprod(top_p, dim=0).t().tolist()  # [B][k]
             for i, t in enumerate(trees):
-                if t is not None and t.num_nodes == t.depth:  # a chain
-                    n = min(t.num_nodes, confident[i])
+                th, min_nodes = stops[i]
+                if t is not None and th > 0.0 and t.num_nodes == t.depth:  # a chain
+                    confident = 0  # leading heads at or above the threshold
+                    while confident < len(path_conf[i]) and path_conf[i][confident] >= th:
+                        confident += 1
+                    n = min(t.num_nodes, max(confident, min_nodes))
                     trees[i] = t.prefix(n) if n > 0 else None
         k_top = needed_topk(trees)
         if k_top == 0:
@@ -208,7 +240,7 @@ class HydraDrafter:
 
     @torch.inference_mode()
     def propose(self, hidden: torch.Tensor, trees: Sequence[Tree | None], bonus: torch.Tensor | None = None,
-                state: dict | None = None) -> list[list[int]]:
+                state: dict | None = None, chain_stop: Sequence[float | None] | None = None) -> list[list[int]]:
         """Draft tokens per request, one per node of its tree.
 
         Args:
@@ -218,14 +250,16 @@ class HydraDrafter:
             bonus: ``[B]`` int64, the token the target chose after that position (the step's bonus token);
                 required.
             state: from :meth:`confidence` (paths already evaluated are not evaluated again).
+            chain_stop: as for :meth:`MTPDrafter.propose` (a chain's first node is kept, then it stops before
+                the first node whose path confidence is below the request's entry).
 
         Returns:
             ``B`` token-id lists: node ``j``'s token at index ``j - 1`` (``[]`` for None; a chain may come back
-            shorter, see ``confidence_threshold``). Node ``j``'s token is the rank-``ranks[j-1]`` token of head
-            ``depth - 1`` applied to the node's parent path.
+            shorter, see ``confidence_threshold`` and ``chain_stop``). Node ``j``'s token is the
+            rank-``ranks[j-1]`` token of head ``depth - 1`` applied to the node's parent path.
 
         Raises:
-            ValueError: ``len(trees) != B``, no ``bonus``, or a tree deeper than the heads.
+            ValueError: ``len(trees) != B``, no ``bonus``, a tree deeper than the heads, or a bad ``chain_stop``.
         """
         b = hidden.shape[0]
         trees = list(trees)
@@ -238,6 +272,7 @@ class HydraDrafter:
             raise ValueError(f"a tree of depth {depth} needs {depth} heads; there are {self.num_heads}")
         if bonus is None:
             raise ValueError("Hydra heads need each request's bonus token (bonus=[B] token ids)")
+        stops = chain_stops(b, chain_stop, self.confidence_threshold)
         memo = state if state is not None else {}
         out = [[0] * t.num_nodes if t is not None else [] for t in trees]
         path_of = {(i, 0): (int(t),) for i, t in enumerate(bonus.tolist())}
@@ -260,9 +295,10 @@ class HydraDrafter:
             frontier = []
             for i, j in expand:
                 tk, p = memo[(i, path_of[(i, j)])]
-                if self.confidence_threshold > 0.0 and self._is_chain(trees[i]):
+                th, min_nodes = stops[i]
+                if th > 0.0 and self._is_chain(trees[i]):
                     conf[i] *= p
-                    if conf[i] < self.confidence_threshold:
+                    if conf[i] < th and d >= min_nodes:
                         cut[i] = d  # this head's token is not confident enough: stop before it
                         continue
                 for c in children[i][j]:

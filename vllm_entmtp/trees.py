@@ -286,6 +286,7 @@ class _Schedule(BaseModel):
     thresholds: list[StrictFloat]
     tree_ids: list[str] = Field(min_length=1)
     hysteresis: StrictFloat | None = Field(default=None, ge=0.0)
+    chain_stop: StrictFloat | None = Field(default=None, gt=0.0, lt=1.0)
 
     @field_validator("thresholds")
     @classmethod
@@ -329,12 +330,18 @@ class Schedule:
         tree_ids: ids of trees of the set, from the most aggressive (lowest entropy / highest confidence) to
             the most conservative; no id twice.
         hysteresis: margin in the signal's unit, or None (the scheduler's own default).
+        chain_stop: a number in (0, 1), or None: a scheduled *chain* is cut before its first node after the
+            first whose path confidence (the product of the heads' top-1 probabilities along the chain, up to and
+            including that node's head) is below it, so each request drafts, per step, the chain depth its heads
+            are confident of (EAGLE-2's confidence-ranked drafting, Li et al. 2024, arXiv 2406.16858, section 4,
+            reduced to a chain). The first node is always drafted: whether to draft at all is the ladder's choice.
     """
 
     signal: str
     thresholds: tuple[float, ...]
     tree_ids: tuple[str, ...]
     hysteresis: float | None = None
+    chain_stop: float | None = None
 
 
 @dataclass(frozen=True)
@@ -479,7 +486,8 @@ def _check_schedule(f: Path, spec: _Schedule, ids: list[str]) -> Schedule:
                 raise TreeSetError(f"{where}.thresholds[{i}] = {th[i]} is not less than thresholds[{i - 1}] = "
                                    f"{th[i - 1]} (confidence thresholds must be strictly decreasing: tree_ids go "
                                    f"from the most aggressive, high confidence, to the most conservative)")
-    return Schedule(signal=spec.signal, thresholds=tuple(th), tree_ids=tuple(tids), hysteresis=spec.hysteresis)
+    return Schedule(signal=spec.signal, thresholds=tuple(th), tree_ids=tuple(tids), hysteresis=spec.hysteresis,
+                    chain_stop=spec.chain_stop)
 
 
 def load_tree_set(name_or_path: str | os.PathLike[str], num_heads: int | None = None) -> TreeSet:

@@ -221,8 +221,10 @@ def _make_proposer_class():
             else:
                 chosen, drafts = self._propose_scheduled(target_hidden_states, bonus, req_ids, budgets, active)
             for req_id, (tree_id, tree), toks, live in zip(req_ids, chosen, drafts, active or [True] * n):
-                if live:
-                    self.tree_stats.record_choice(tree_id if toks else None)
+                if live:  # a chain cut by confidence counts as the prefix it drafted ("id@n", as budget cuts)
+                    cut = tree is not None and 0 < len(toks) < tree.num_nodes
+                    self.tree_stats.record_choice(f"{tree_id.split('@')[0]}@{len(toks)}" if cut
+                                                  else tree_id if toks else None)
                 if tree is not None and toks and _verified_here(tree, self._sampling_params(req_id)):
                     self.pending[req_id] = (tree_id, tree, toks)
                 else:
@@ -256,13 +258,17 @@ def _make_proposer_class():
                     self.tree_stats.record_signal(prev[0], prev[1], acc, prev[2])
             signals = self.tracker.signals_batch(req_ids)
             choices = self.scheduler.choose(req_ids, signals, self.scheduler.node_budget(len(req_ids)))
+            forced_at = [False] * len(req_ids)
             for i, rid in enumerate(req_ids):
                 forced = self._forced_tree(rid)
                 if forced is not None:
-                    choices[i] = forced
+                    choices[i], forced_at[i] = forced, True
             self._choice_signals = [(sg.entropy_ema, sg.confidence if top1 is not None else None) for sg in signals]
             chosen = [self._tree_for(r, b, c) for r, b, c in zip(req_ids, budgets, choices)]
-            return chosen, self.drafter.propose(hidden, [t for _, t in chosen], bonus, state)
+            # the schedule's chain_stop cuts the chains it chose (not those a request fixed with REQUEST_TREE_KEY)
+            stop = getattr(self.scheduler.tree_set.schedule, "chain_stop", None)
+            stops = [None if f else stop for f in forced_at] if stop is not None else None
+            return chosen, self.drafter.propose(hidden, [t for _, t in chosen], bonus, state, stops)
 
         def free_missing(self, live_req_ids) -> None:
             """Drop the state of every request vLLM no longer holds (finished, aborted). Called each step, as a

@@ -338,11 +338,14 @@ def test_tree_set_with_a_chain_stop_schedules_one_cut_chain(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps(obj))
     ts = load_tree_set(str(path), num_heads=2)
-    tid = bin_ids[0]
-    assert bin_ids == [tid, tid] and ts.get(tid) == Tree.chain(2)
+    tid = ts.schedule.tree_ids[0]
+    assert ts.get(tid) == Tree.chain(2)
+    # bin_ids: the bins' ladder it replaced (for the printed summary), each bin's own scheduled tree
+    assert [ts.get(i) for i in bin_ids] == [Tree([list(p) for p in b.scheduled.key]) for b in choices]
     # an entropy set: the cut chain for everyone
     assert ts.schedule.tree_ids == (tid,) and ts.schedule.thresholds == () and ts.schedule.chain_stop == 0.35
     assert "cut where the heads' path confidence falls below 0.35" in ts.description
+    assert "the bins' ladder it replaced: bin 0" in ts.description
     assert TreeScheduler.from_config(EntMTPConfig(policy="entropy", tree_set=str(path)), ts).ladder_ids == [tid]
     # a confidence set: the 1-node chain below tau (the same drafts; a step down under load before none)
     for b in choices:

@@ -966,7 +966,8 @@ def build_tree_set(choices: list[BinChoice], *, name: str, heads_kind: str, num_
         times_ms: ``{"verify": {n: ms}, "draft": {tree key: ms}}``.
 
     Returns:
-        ``(tree-set object, the tree id each bin is scheduled to)``.
+        ``(tree-set object, the tree id each bin is scheduled to)`` (with ``chain_stop``: the bins' ladder it
+        replaced).
     """
     entries: dict[tuple[Path_, ...], tuple[str, Candidate]] = {}
     for b in choices:
@@ -1008,7 +1009,6 @@ def build_tree_set(choices: list[BinChoice], *, name: str, heads_kind: str, num_
             chains = chains[:1]
         ladder = [(entries.setdefault(c.key, (f"chain{c.num_nodes}", c))[0], c.key) for c in chains]
         thresholds = [tau] if len(ladder) == 2 else []
-        bin_ids = [ladder[0][0]] * len(choices)
         if hysteresis is None and thresholds:
             hysteresis = 0.0
     trees = [(tid, key, c) for key, (tid, c) in entries.items()] + [(t, k, c) for t, (k, c) in extra.items()]
@@ -1028,9 +1028,10 @@ def build_tree_set(choices: list[BinChoice], *, name: str, heads_kind: str, num_
         + ("none (no tree is expected to beat plain decoding)" if tid == NO_DRAFT_ID else tid)
         for b, tid in zip(choices, bin_ids))
     if chain_stop is not None:
-        summary += (f" (every bin: the chain {ladder[0][0]} cut where the heads' path confidence falls below "
-                    f"{chain_stop[0]}, schedule.chain_stop"
-                    + (f"; {ladder[1][0]} below that first-head confidence" if len(ladder) == 2 else "") + ")")
+        summary = (f"Scheduled: the chain {ladder[0][0]} cut where the heads' path confidence falls below "
+                   f"{chain_stop[0]} (schedule.chain_stop)"
+                   + (f", {ladder[1][0]} below that first-head confidence" if len(ladder) == 2 else "")
+                   + f"; the bins' ladder it replaced: {summary}")
     desc = (f"Built by vllm-entmtp build-trees from {calibration['prompts']} ({calibration['positions']} "
             f"positions) for {heads_kind} heads: per {signal} bin, greedy trees at each node budget, their Pareto "
             f"frontier of measured cost vs expected tokens per step, and the tree with the best expected "
@@ -1495,6 +1496,8 @@ def _run(args: argparse.Namespace) -> int:
     print(f"cost: plain decode step {base * 1e3:.1f} ms ({torch.get_num_threads()} thread(s), transformers "
           f"float32, {args.cost_context}-token context); verifying N nodes: "
           + ", ".join(f"{n}: {verify_s[n] / base:.2f}" for n in sizes if n))
+    if chain_stop is not None:
+        print("the bins' ladder (not scheduled: the chain stop below replaces it):")
     print(summary_table(choices, bin_ids))
     if "best_static" in overall:
         bs = overall["best_static"]

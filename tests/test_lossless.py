@@ -4,7 +4,8 @@ In float32 a forward that verifies several tokens gives the same argmax as one-t
 near-ties flip; see docs/architecture.md), so equality here is exact. 30 prompts from three prompt sets;
 plain decoding one request at a time is the reference. Two entmtp engines, one per kind of shipped heads:
 the Medusa heads draft chains (8 concurrent requests), and the default heads (Hydra when shipped) draft trees
-chosen per request and step by the entropy scheduler from the `default` tree set (batch sizes 1, 4 and 16). In
+chosen per request and step by the confidence scheduler from the `default` tree set's trees (three branching
+trees, and its longest chain cut by a ``chain_stop``; batch sizes 1, 4 and 16). In
 the concurrent phases a third of the requests draft nothing and a third at most 1 token (the per-request cap),
 so requests with different trees and with none share every step. Each engine runs in its own process.
 
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 48
 STOP = ["\n\n"]  # a stop string that shows up inside most outputs
+CHAIN_STOP = 0.2  # the schedule's chain cut below this path confidence (the calibrated sets' value)
 SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "prompts": list(range(10))}  # request i has seed i
 ABORT = {"name": "abort", "concurrency": 16, "abort_every": 3, "abort_after_steps": 3, "prompts": list(range(15))}
 # The tree engine runs the way a loaded server does: prefix caching, prefill chunks of at most 256 tokens mixed
@@ -100,7 +102,11 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     raw = json.loads(shipped.source.read_text())
     branching = [next(t for t in shipped.ids if shipped.get(t).num_nodes == n > shipped.get(t).depth)
                  for n in (6, 4, 2)]  # the first branching tree of 6, 4 and 2 nodes
-    raw["schedule"] = {"signal": "confidence", "thresholds": [0.6, 0.3], "tree_ids": branching}
+    # and the set's longest chain, cut by a chain_stop where the heads' path confidence drops
+    chain = max((t for t in shipped.ids if shipped.get(t).num_nodes == shipped.get(t).depth >= 3),
+                key=lambda t: shipped.get(t).num_nodes)
+    raw["schedule"] = {"signal": "confidence", "thresholds": [0.8, 0.6, 0.3], "chain_stop": CHAIN_STOP,
+                       "tree_ids": [branching[0], chain, *branching[1:]]}
     (tmp / "trees.json").write_text(json.dumps(raw))
     tree_set = str(tmp / "trees.json")
     ts = load_tree_set(tree_set)
@@ -122,7 +128,7 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
                  {"name": "sampled_a", "concurrency": 16, **SAMPLED}, {"name": "sampled_b", "concurrency": 16, **SAMPLED},
                  ABORT, {"name": "again_a", "concurrency": 1, "prompts": [0]},
                  {"name": "again_b", "concurrency": 1, "prompts": [0]}], convs, engine_args=TREE_ENGINE)
-    tree["forced"] = forced
+    tree["forced"], tree["chain"] = forced, (chain, ts.get(chain).num_nodes)
     prefix = _run(tmp, "prefix", default_model,
                   {"method": "entmtp", "model": _prefix_heads(shipped_heads["hydra"], default_model, tmp / "prefix"),
                    "tree_set": tree_set, "policy": policy},
@@ -165,6 +171,17 @@ def test_trees_are_verified_through_non_first_branches(runs):
     assert stats["scheduler"]["switches"] > 0  # the scheduler moved requests between trees
     assert stats["tracked_requests"] <= 16  # per-request state is freed with the requests
     assert runs[2]["chain"]["c8"]["tree_stats"]["tree_steps"] == 0  # chains go through vLLM's own sampler
+
+
+def test_scheduled_chains_are_cut_by_the_chain_stop(runs):
+    """In the one-request phase (no budget cuts) the schedule's chain was drafted whole and cut short by the
+    schedule's chain_stop ("id@n"), and the outputs stayed exact (test above, c4 and c16 mixing cut chains,
+    which vLLM verifies, with trees, which the plugin does)."""
+    chain, nodes = runs[2]["tree"]["chain"]
+    chosen = runs[2]["tree"]["bs1"]["tree_stats"]["chosen"]
+    cut = {t: n for t, n in chosen.items() if t.split("@")[0] == chain and t != chain}
+    assert cut and chosen.get(chain, 0) > 0, chosen
+    assert all(1 <= int(t.split("@")[1]) < nodes for t in cut), cut
 
 
 def test_a_request_can_be_held_to_one_tree(runs):

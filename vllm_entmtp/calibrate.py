@@ -603,7 +603,7 @@ def signal_correlations(records: Sequence[dict], entropy_window: int) -> dict[st
         sig[f"confidence_{h}_heads"] = top1[:, :h].prod(1)
     ok = (ranks >= 0).all(1)
     first = (ranks[ok, 0] == 0).double()
-    chain = (ranks[ok] == 0).long().cumprod(1).sum(1).double()
+    chain = chain_outcomes(records)[0].double()  # the top-1 chain's accepted length at the same positions
 
     def r(a: torch.Tensor, b: torch.Tensor) -> float | None:
         x = float(torch.corrcoef(torch.stack([a, b]))[0, 1])

@@ -103,10 +103,10 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     branching = [next(t for t in shipped.ids if shipped.get(t).num_nodes == n > shipped.get(t).depth)
                  for n in (6, 4, 2)]  # the first branching tree of 6, 4 and 2 nodes
     # and the set's longest chain, cut by a chain_stop where the heads' path confidence drops
-    chain = max((t for t in shipped.ids if shipped.get(t).num_nodes == shipped.get(t).depth >= 3),
-                key=lambda t: shipped.get(t).num_nodes)
+    cut_chain = max((t for t in shipped.ids if shipped.get(t).num_nodes == shipped.get(t).depth >= 3),
+                    key=lambda t: shipped.get(t).num_nodes)
     raw["schedule"] = {"signal": "confidence", "thresholds": [0.8, 0.6, 0.3], "chain_stop": CHAIN_STOP,
-                       "tree_ids": [branching[0], chain, *branching[1:]]}
+                       "tree_ids": [branching[0], cut_chain, *branching[1:]]}
     (tmp / "trees.json").write_text(json.dumps(raw))
     tree_set = str(tmp / "trees.json")
     ts = load_tree_set(tree_set)
@@ -128,7 +128,7 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
                  {"name": "sampled_a", "concurrency": 16, **SAMPLED}, {"name": "sampled_b", "concurrency": 16, **SAMPLED},
                  ABORT, {"name": "again_a", "concurrency": 1, "prompts": [0]},
                  {"name": "again_b", "concurrency": 1, "prompts": [0]}], convs, engine_args=TREE_ENGINE)
-    tree["forced"], tree["chain"] = forced, (chain, ts.get(chain).num_nodes)
+    tree["forced"], tree["chain"] = forced, (cut_chain, ts.get(cut_chain).num_nodes)
     prefix = _run(tmp, "prefix", default_model,
                   {"method": "entmtp", "model": _prefix_heads(shipped_heads["hydra"], default_model, tmp / "prefix"),
                    "tree_set": tree_set, "policy": policy},

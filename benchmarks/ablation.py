@@ -100,6 +100,14 @@ def outputs_differing(outputs: dict[tuple[int, int], dict[str, list[int]]]) -> d
     return out
 
 
+def outputs_text(differing: dict[str, int]) -> str:
+    """One sentence on :func:`outputs_differing`'s counts."""
+    differ = {n: k for n, k in differing.items() if k}
+    return ("Greedy outputs: identical to no drafting's for every variant, round and prompt." if not differ else
+            "Greedy outputs that differ from no drafting's (rounds x prompts): "
+            + ", ".join(f"{n} {k}" for n, k in differ.items()) + ".")
+
+
 def phase_name(r: int, p: int | None, name: str) -> str:
     """The harness's name of a phase: ``round:variant``, or ``round:prompt:variant`` for a one-prompt phase."""
     return f"{r}:{name}" if p is None else f"{r}:{p}:{name}"
@@ -269,10 +277,7 @@ def markdown_report(results: list[dict], max_loss: float = 0.02) -> str:
                 out += ["", f"Pearson r, {what} when a tree was drafted vs its accepted draft tokens: " + ", ".join(
                     f"{t} {c['r']:+.2f} (n={c['n']})" for t, c in corr.items() if c.get("r") is not None)]
         if r.get("outputs_differing") is not None:
-            differ = {n: k for n, k in r["outputs_differing"].items() if k}
-            out += ["", "Greedy outputs: identical to no drafting's for every variant, round and prompt." if not differ
-                    else "Greedy outputs that differ from no drafting's (rounds x prompts): "
-                    + ", ".join(f"{n} {k}" for n, k in differ.items()) + "."]
+            out += ["", outputs_text(r["outputs_differing"])]
         if r.get("step_cost_by_nodes"):
             out += ["", "Step cost by draft nodes (median engine step period, no drafting = 1; \"Nt\": a tree that "
                     "needs the attention fix): "
@@ -385,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     if not prompts:
         ap.error(f"no prompts of {args.prompt_set} left after --skip-prompts {args.skip_prompts}")
     # (round, prompt index or None for all prompts, variant) of every phase
-    order = ([(r, p, n) for r, p, n in prompt_phase_order(list(vs), args.repeats, len(prompts))]
+    order = (prompt_phase_order(list(vs), args.repeats, len(prompts))
              if interleave == "prompt" else [(r, None, n) for r, n in phase_order(list(vs), args.repeats)])
     convs = [p.messages for p in prompts]
     policy = args.policy or (ts.schedule.signal if ts.schedule is not None else "entropy")
@@ -445,10 +450,7 @@ def main(argv: list[str] | None = None) -> int:
           f"one {'compiled' if args.compiled else 'eager'} engine, "
           f"concurrency {args.concurrency}")
     print(format_table(summary))
-    differ = {n: k for n, k in summary["outputs_differing"].items() if k}
-    print("greedy outputs identical to no drafting's in every variant, round and prompt" if not differ else
-          "greedy outputs that differ from no drafting's (round x prompt): "
-          + ", ".join(f"{n} {k}" for n, k in differ.items()))
+    print(outputs_text(summary["outputs_differing"]))
     for key, what in (("entropy_acceptance", "entropy EMA (nats)"), ("confidence_acceptance", "path confidence")):
         corr = summary[key]
         if corr:

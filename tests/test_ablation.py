@@ -38,6 +38,8 @@ def test_outputs_differing_counts_runs_unlike_no_drafting():
                (0, 1): {"no-drafting": [5], "tree:a": [5], "scheduled": [5]},
                (1, 0): {"no-drafting": [1, 2, 3], "tree:a": [1, 2], "scheduled": [1, 2, 4]}}
     assert ab.outputs_differing(outputs) == {"tree:a": 1, "scheduled": 2}
+    assert ab.outputs_text(ab.outputs_differing(outputs)).endswith("tree:a 1, scheduled 2.")
+    assert ab.outputs_text({"tree:a": 0}).startswith("Greedy outputs: identical")
 
 
 def test_chosen_step_keys_of_cut_chains():

@@ -41,3 +41,22 @@ def test_installed_in_vllms_rejection_sampler_on_cpu():
     out = rs.apply_sampling_constraints(logits, torch.tensor([1, 3], dtype=torch.int32), meta)
     assert torch.isinf(out).sum(dim=1).tolist() == [2, 1, 1]
     assert out[1, 3].item() == pytest.approx(8.0)  # temperature 0.5 for request 1's rows
+
+
+def test_a_step_without_draft_tokens_and_top_k_alone_does_not_crash():
+    """vLLM runs its rejection sampler on a step where no request has draft tokens (the first step after a
+    prompt): zero draft-token rows. With ``top_k`` and no ``top_p`` its CPU path takes ``k.max()`` of an empty
+    tensor and raised, killing the engine; with the patch the empty rows come back unchanged."""
+    from types import SimpleNamespace
+
+    import vllm.v1.sample.rejection_sampler as rs
+
+    from vllm_entmtp.patches import apply_all
+
+    apply_all()
+    meta = SimpleNamespace(all_greedy=False, temperature=torch.tensor([0.7, 0.7]),
+                           top_k=torch.tensor([40, 5], dtype=torch.int32), top_p=None)
+    empty, cu = torch.zeros(0, 8), torch.tensor([0, 0], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="numel"):  # vLLM's own function, unpatched
+        rs.apply_sampling_constraints.__wrapped__(empty.clone(), cu, meta)
+    assert rs.apply_sampling_constraints(empty, cu, meta).shape == (0, 8)

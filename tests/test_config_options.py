@@ -60,12 +60,15 @@ def test_bad_values_are_named_with_the_allowed_range(options, message):
         parse(**options)
 
 
-def test_unknown_key_lists_the_new_keys_too():
-    with pytest.raises(EntMTPConfigError, match=r"unknown key\(s\) \['polcy'\].*policy \('auto' \| 'static' \| "
-                                                r"'entropy' \| 'confidence'; default 'auto'\).*"
+def test_unknown_key_suggests_the_closest_and_lists_the_keys_briefly():
+    with pytest.raises(EntMTPConfigError, match=r"unknown key\(s\) \['polcy'\].* Did you mean policy \('auto' \| "
+                                                r"'static' \| 'entropy' \| 'confidence'; default 'auto'\)\?.*"
                                                 r"max_verify_tokens_per_step.*"
-                                                r"vLLM's own keys: method, model, num_speculative_tokens"):
+                                                r"vLLM's own keys \(\d+: method, model, num_speculative_tokens"):
         parse(polcy="entropy")
+    with pytest.raises(EntMTPConfigError) as e:
+        parse(zzz=1)
+    assert "Did you mean" not in str(e.value) and len(str(e.value)) < 700  # it printed kilobytes
 
 
 def test_several_errors_are_reported_together():

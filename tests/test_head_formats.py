@@ -218,6 +218,13 @@ def test_unknown_folder_lists_files_and_layouts(tmp_path):
         load_any_heads(tmp_path / "empty")
     with pytest.raises(HeadsCheckpointError, match="not a folder"):
         read_any_heads_config(tmp_path / "missing")
+    crowded = tmp_path / "crowded"  # a folder of many files (a whole model, say): the message stays short
+    crowded.mkdir()
+    for i in range(500):
+        (crowded / f"shard-{i:04d}.bin").write_bytes(b"")
+    with pytest.raises(HeadsCheckpointError, match=r"shard-0000\.bin.*\.\.\. and 488 more") as e:
+        detect_layout(crowded)
+    assert len(str(e.value)) < 1500
 
 
 def test_unreadable_fasterdecoding_files(tmp_path):

@@ -180,14 +180,20 @@ def parse_entmtp_options(options: dict[str, Any], vllm_keys: list[str]) -> EntMT
     """Validate the entmtp-specific ``options`` (keys not defined by vLLM's SpeculativeConfig).
 
     Raises:
-        EntMTPConfigError: an unknown key (the message lists vLLM's and entmtp's allowed keys) or a bad value
+        EntMTPConfigError: an unknown key (the message suggests the closest key and lists entmtp's) or a bad value
             (the message names the key, the value and the allowed range).
     """
     unknown = [k for k in options if k not in EntMTPConfig.model_fields]
     if unknown:
+        import difflib
+
+        keys = list(entmtp_keys())
+        close = [m for k in unknown for m in difflib.get_close_matches(k, keys + list(vllm_keys), n=1)]
+        hint = f" Did you mean {'; '.join(_describe(m) if m in keys else m for m in close)}?" if close else ""
         raise EntMTPConfigError(
-            f"unknown key(s) {unknown} in --speculative-config for method 'entmtp'. Allowed entmtp keys: "
-            f"{', '.join(_describe(k) for k in entmtp_keys())}; and vLLM's own keys: {', '.join(vllm_keys)}")
+            f"unknown key(s) {unknown} in --speculative-config for method 'entmtp'.{hint} entmtp keys: "
+            f"{', '.join(keys)} (docs/options.md); and vLLM's own keys ({len(vllm_keys)}: method, model, "
+            "num_speculative_tokens, ...)")
     try:
         return EntMTPConfig(**options)
     except ValidationError as e:

@@ -138,6 +138,9 @@ def _config_dict(path: Path) -> dict:
     return raw
 
 
+MAX_FILES_SHOWN = 12  # an error lists at most this many of a folder's files
+
+
 def detect_layout(path: str | Path) -> str:
     """Name of the layout (a key of :data:`LAYOUTS`) of the heads checkpoint in folder ``path``.
 
@@ -151,7 +154,9 @@ def detect_layout(path: str | Path) -> str:
     matches = [name for name, layout in LAYOUTS.items() if layout.detect(path)]
     if len(matches) == 1:
         return matches[0]
-    files = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    files = names[:MAX_FILES_SHOWN] + ([f"... and {len(names) - MAX_FILES_SHOWN} more"]
+                                       if len(names) > MAX_FILES_SHOWN else [])
     if matches:
         raise HeadsCheckpointError(f"MTP heads checkpoint {path} matches several layouts {matches}; files found: "
                                    f"{files}; keep the files of one layout only")

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     from vllm_entmtp.datasets import load_prompts
     from vllm_entmtp.harness import make_llm
     from vllm_entmtp.models import default_heads, prepare_default_model
-    from vllm_entmtp.patches.runner import REQUEST_DRAFT_TOKENS_KEY
+    from vllm_entmtp.request_options import REQUEST_DRAFT_TOKENS_KEY
 
     prompts = (load_prompts("sharegpt", split="train")[: args.sharegpt]
                + load_prompts("gsm8k", split="train")[: args.gsm8k])

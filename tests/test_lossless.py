@@ -11,8 +11,11 @@ so requests with different trees and with none share every step. Each engine run
 
 The tree engine also runs with prefix caching, chunked prefill and a KV cache small enough to force preemption
 (``TREE_ENGINE``), samples (temperature 0.8, top-p, top-k, per-request seeds) twice with the same seeds, and has
-a third of a batch aborted mid-generation.
+a third of a batch aborted mid-generation. It serves a matrix of sampling options in one batch (``MATRIX``)
+beside requests drafting trees and chains (the prefix engine serves it twice, for seeded repeats), and then a batch in which drafting and the tree walk fail for a third
+of the requests each (faults injected in the worker, ``harness.install_faults``).
 """
+import itertools
 import json
 import re
 import subprocess
@@ -23,7 +26,7 @@ import pytest
 import torch
 
 from vllm_entmtp.datasets import load_prompts
-from vllm_entmtp.patches.runner import REQUEST_DRAFT_TOKENS_KEY, REQUEST_TREE_KEY
+from vllm_entmtp.request_options import REQUEST_DRAFT_TOKENS_KEY, REQUEST_TREE_KEY
 
 pytestmark = pytest.mark.engine
 
@@ -36,6 +39,34 @@ ABORT = {"name": "abort", "concurrency": 16, "abort_every": 3, "abort_after_step
 # with decode steps (prompts run up to ~400 tokens), and a KV cache of 24 blocks of 128 tokens, too small for 16
 # requests at once, so vLLM preempts requests (and recomputes them later).
 MAX_BATCHED = 256
+
+
+def _matrix(n: int) -> list[dict]:
+    """``n`` requests' sampling options: every (temperature, top_k, top_p) of the grid, each with one option of
+    ``extras`` in turn (``n`` = 24: every extra at least once, the grid cycled twice). Greedy requests with ``n``
+    > 1 sample instead (vLLM refuses ``n`` > 1 when greedy)."""
+    grid = list(itertools.product((0.0, 0.7), (-1, 1, 40), (1.0, 0.9)))  # temperature, top_k, top_p
+    extras = [
+        {}, {"min_p": 0.05}, {"n": 3}, {"logprobs": 2}, {"prompt_logprobs": 1},
+        {"presence_penalty": 0.6, "frequency_penalty": 0.3}, {"repetition_penalty": 1.2},
+        {"stop": ["\n\n", "."]}, {"stop_token_ids": [13, 28]}, {"min_tokens": 20}, {"max_tokens": 1},
+        {"ignore_eos": True}, {"bad_words": [" the", " a"]}, {"logit_bias": {"13": -100.0, "28": 5.0}},
+        {"structured_outputs": {"json": {"type": "object", "properties": {"answer": {"type": "integer"}},
+                                         "required": ["answer"]}}},
+        {"structured_outputs": {"regex": "[A-Z][a-z]+( [a-z]+)*\\."}},
+        {"structured_outputs": {"choice": ["yes", "no", "maybe"]}},
+    ]
+    out = []
+    for j in range(n):
+        t, k, p = grid[j % len(grid)]
+        e = extras[j % len(extras)]
+        out.append({"temperature": 0.7 if e.get("n", 1) > 1 else t, "top_k": k, "top_p": p, **e})
+    return out
+
+
+MATRIX_PROMPTS = list(range(24))
+MATRIX = _matrix(len(MATRIX_PROMPTS))
+FAULT_PROMPTS = list(range(0, 30, 2))
 TREE_ENGINE = {"enable_prefix_caching": True, "enable_chunked_prefill": True, "max_num_batched_tokens": MAX_BATCHED,
                "num_gpu_blocks_override": 24}
 
@@ -113,7 +144,8 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     forced = max((t for t in ts.ids if t not in ts.schedule.tree_ids), key=lambda t: ts.get(t).num_nodes)
     mixed = [[{REQUEST_DRAFT_TOKENS_KEY: 0}, {REQUEST_TREE_KEY: forced}, {}][i % 3] for i in range(len(convs))]
     plain = _run(tmp, "plain", default_model, None,
-                 [{"name": "bs1", "concurrency": 1}, {"name": "stop", "concurrency": 16, "stop": STOP}, ABORT], convs)
+                 [{"name": "bs1", "concurrency": 1}, {"name": "stop", "concurrency": 16, "stop": STOP}, ABORT,
+                  {"name": "matrix", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS}], convs)
     chain = _run(tmp, "chain", default_model, {"method": "entmtp", "model": shipped_heads["medusa"],
                                                "num_speculative_tokens": 4},
                  [{"name": "c8", "concurrency": 8, "extra_args": caps}], convs)
@@ -126,14 +158,20 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
                  {"name": "c16", "concurrency": 16, "extra_args": caps},
                  {"name": "stop", "concurrency": 16, "stop": STOP},
                  {"name": "sampled_a", "concurrency": 16, **SAMPLED}, {"name": "sampled_b", "concurrency": 16, **SAMPLED},
-                 ABORT, {"name": "again_a", "concurrency": 1, "prompts": [0]},
+                 ABORT, {"name": "matrix", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS},
+                 {"name": "faults", "concurrency": 16, "prompts": FAULT_PROMPTS, "faults": ["draft", "verify"]},
+                 {"name": "again_a", "concurrency": 1, "prompts": [0]},
                  {"name": "again_b", "concurrency": 1, "prompts": [0]}], convs, engine_args=TREE_ENGINE)
     tree["forced"], tree["chain"] = forced, (cut_chain, ts.get(cut_chain).num_nodes)
     prefix = _run(tmp, "prefix", default_model,
                   {"method": "entmtp", "model": _prefix_heads(shipped_heads["hydra"], default_model, tmp / "prefix"),
                    "tree_set": tree_set, "policy": policy},
-                  [{"name": "c4", "concurrency": 4, "prompts": PREFIX_PROMPTS}], convs,
-                  engine_args={"enable_chunked_prefill": True, "max_num_batched_tokens": MAX_BATCHED})
+                  [{"name": "c4", "concurrency": 4, "prompts": PREFIX_PROMPTS},
+                   {"name": "matrix_a", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS},
+                   {"name": "matrix_b", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS}], convs,
+                  # no prefix cache: the matrix's second run then gets the same batches as its first
+                  engine_args={"enable_chunked_prefill": True, "max_num_batched_tokens": MAX_BATCHED,
+                               "enable_prefix_caching": False})
     return prompts, plain, {"chain": chain, "tree": tree, "prefix": prefix}
 
 
@@ -284,3 +322,83 @@ def test_hydra_prefix_mlp_heads_are_lossless(runs):
     assert diffs == [], f"{len(diffs)} of {len(ref)} outputs differ from plain decoding: {diffs}"
     assert got["spec"]["num_accepted_tokens"] > 0, got["spec"]
     assert got["tree_stats"]["requests_with_state"] <= 4
+
+
+def _deterministic(opts: dict) -> bool:
+    return opts["temperature"] == 0.0 or opts["top_k"] == 1
+
+
+def test_every_request_of_the_sampling_matrix_completes(runs):
+    """All options of the matrix in one batch, beside requests drafting trees and chains: each request returns
+    its ``n`` completions, ending on a stop or the length limit. Any sampled request with top_k and no top_p
+    used to kill the engine here (vllm_entmtp/patches/sampler.py)."""
+    got = runs[2]["tree"]["matrix"]
+    for opts, outs in zip(MATRIX, got["outputs"]):
+        assert len(outs) == opts.get("n", 1), opts
+        for c in outs:
+            assert c["finish_reason"] in ("stop", "length"), (opts, c)
+            assert 1 <= len(c["token_ids"]) <= opts.get("max_tokens", MAX_TOKENS), (opts, c)
+            assert opts.get("min_tokens", 0) <= len(c["token_ids"]) or c["finish_reason"] == "stop", (opts, c)
+    assert got["spec"]["num_drafts"] > 0 and got["spec"]["num_accepted_tokens"] > 0  # the batch kept drafting
+    assert got["tree_stats"]["tree_steps"] > runs[2]["tree"]["abort"]["tree_stats"]["tree_steps"]  # trees too
+
+
+def test_deterministic_requests_of_the_matrix_equal_plain_decoding(runs):
+    """Greedy requests, and sampled ones with top_k 1, give plain decoding's tokens, text, finish reason,
+    token count and logprobs, with each option (penalties, stops inside accepted paths, structured output,
+    min_p and logit_bias served without drafting, ...)."""
+    prompts, plain, spec = runs
+    ref, got = plain["matrix"], spec["tree"]["matrix"]
+    checked = 0
+    for i, opts in enumerate(MATRIX):
+        if not _deterministic(opts):
+            continue
+        for r, g in zip(ref["outputs"][i], got["outputs"][i]):
+            assert (g["token_ids"], g["text"], g["finish_reason"]) == (r["token_ids"], r["text"], r["finish_reason"]), \
+                (i, opts)
+            if r["logprobs"] is not None:
+                assert g["logprobs"] == pytest.approx(r["logprobs"], abs=1e-3), (i, opts)
+            checked += 1
+        assert got["prompt_logprobs"][i] == ref["prompt_logprobs"][i], (i, opts)
+    assert checked >= 14
+
+
+def test_seeded_requests_of_the_matrix_repeat(runs):
+    """The matrix twice in an engine whose batches run the same way both times (the prefix engine: no prefix
+    cache, a KV cache that holds the batch): seeded requests give the same samples. (In the tree engine a second
+    run's batches differ, its tiny KV cache evicting and preempting otherwise, and so do its load cap's trees and
+    with them the random draws of tree rejection sampling: seeded samples repeat where the batches do,
+    docs/options.md.) The prefix engine also has tree requests beside chains and no-draft ones."""
+    a, b = runs[2]["prefix"]["matrix_a"], runs[2]["prefix"]["matrix_b"]
+    assert a["spec"]["num_accepted_tokens"] > 0 and a["tree_stats"]["tree_steps"] > 0
+    assert a["outputs"] == b["outputs"]
+    sampled = [i for i, o in enumerate(MATRIX) if not _deterministic(o)]
+    assert len(sampled) >= 6
+    n3 = [a["outputs"][i] for i in sampled if MATRIX[i].get("n", 1) == 3]
+    assert n3 and all(len({str(c["token_ids"]) for c in outs}) > 1 for outs in n3)  # n samples, not one
+
+
+def test_min_p_and_logit_bias_are_served_as_without_speculation(runs):
+    """vLLM refuses min_p and logit_bias under speculative decoding; entmtp serves them, drafting nothing for
+    those requests: greedy or seeded, their answer is a plain engine's."""
+    plain, got = runs[1]["matrix"], runs[2]["tree"]["matrix"]
+    idx = [i for i, o in enumerate(MATRIX) if "min_p" in o or "logit_bias" in o]
+    assert len(idx) >= 3 and any(not _deterministic(MATRIX[i]) for i in idx)
+    for i in idx:
+        assert got["outputs"][i] == plain["outputs"][i], (i, MATRIX[i])
+
+
+def test_faults_in_drafting_and_the_tree_walk_leave_the_engine_and_the_output_exact(runs):
+    """Drafting fails for a third of the requests and the tree walk for another third (injected): those go on
+    without speculation for the step, counted in /metrics; the others keep drafting trees; every output is
+    plain decoding's; the engine serves the next phases (again_a, again_b) exactly."""
+    prompts, plain, spec = runs
+    got = spec["tree"]["faults"]
+    ref = [plain["bs1"]["token_ids"][i] for i in FAULT_PROMPTS]
+    diffs = [prompts[i].id for i, a, b in zip(FAULT_PROMPTS, ref, got["token_ids"]) if a != b]
+    assert diffs == [], f"{len(diffs)} of {len(ref)} outputs differ from plain decoding: {diffs}"
+    before = spec["tree"]["matrix"]["entmtp_metrics"]
+    for stage in ("draft", "verify"):
+        assert got["entmtp_metrics"].get(f"fallbacks{{{stage}}}", 0) > before.get(f"fallbacks{{{stage}}}", 0), stage
+    assert got["spec"]["num_accepted_tokens"] > 0
+    assert got["tree_stats"]["tree_steps"] > spec["tree"]["matrix"]["tree_stats"]["tree_steps"]  # trees walked

@@ -43,13 +43,13 @@ def spec_decode_counts(llm) -> SpecDecodeCounts:
 
 
 def entmtp_counters(llm) -> dict:
-    """entmtp's Prometheus counters (:mod:`vllm_entmtp.metrics`) as ``{"name{tree}": value}`` (``name`` without
-    the ``vllm:entmtp_`` prefix; ``{tree}`` only for labelled families)."""
+    """entmtp's Prometheus counters (:mod:`vllm_entmtp.metrics`) as ``{"name{label}": value}`` (``name`` without
+    the ``vllm:entmtp_`` prefix; ``{label}``, the tree or the stage, only for labelled families)."""
     out = {}
     for m in llm.get_metrics():
         if m.name.startswith("vllm:entmtp_"):
-            tree = m.labels.get("tree")
-            out[m.name[len("vllm:entmtp_"):] + (f"{{{tree}}}" if tree is not None else "")] = int(m.value)
+            label = m.labels.get("tree", m.labels.get("stage"))
+            out[m.name[len("vllm:entmtp_"):] + (f"{{{label}}}" if label is not None else "")] = int(m.value)
     return out
 
 
@@ -171,6 +171,83 @@ def generate_chat(llm, conversations: list[list[dict]], *, max_tokens: int, conc
     }
 
 
+def generate_requests(llm, conversations: list[list[dict]], requests: list[dict], *, max_tokens: int) -> dict:
+    """All conversations at once, request ``i`` with its own sampling options ``requests[i]``
+    (``SamplingParams`` keyword arguments; ``structured_outputs`` as a dict of ``StructuredOutputsParams``
+    arguments; ``max_tokens`` defaults to ``max_tokens``, ``seed`` to ``i``).
+
+    Returns ``{"outputs": [[{"token_ids", "text", "finish_reason", "logprobs": [the sampled token's logprob
+    per token] | None, "top_logprobs": [[token ids of each position's top logprobs]] | None}, ...one per n]],
+    "prompt_logprobs": [number of prompt positions with logprobs | None], "seconds", "spec"}``.
+    """
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    def params(i: int, opts: dict) -> SamplingParams:
+        opts = {"max_tokens": max_tokens, "seed": i, **opts}
+        if opts.get("logit_bias"):  # JSON keys are strings
+            opts["logit_bias"] = {int(t): b for t, b in opts["logit_bias"].items()}
+        if opts.get("structured_outputs") is not None:
+            opts["structured_outputs"] = StructuredOutputsParams(**opts["structured_outputs"])
+        return SamplingParams(**opts)
+
+    def completion(c) -> dict:
+        lp = None if c.logprobs is None else [pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids)]
+        top = None if c.logprobs is None else [sorted(pos, key=lambda t: -pos[t].logprob) for pos in c.logprobs]
+        return {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason, "logprobs": lp,
+                "top_logprobs": top}
+
+    t0 = time.perf_counter()
+    outs = llm.chat(conversations, [params(i, r) for i, r in enumerate(requests)], use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    return {
+        "outputs": [[completion(c) for c in o.outputs] for o in outs],
+        "prompt_logprobs": [None if o.prompt_logprobs is None else sum(x is not None for x in o.prompt_logprobs)
+                            for o in outs],
+        "seconds": seconds,
+        "spec": asdict(spec_decode_counts(llm)),
+    }
+
+
+FAULTS = ("draft", "verify")
+
+
+def install_faults(worker, stages: list[str] | None) -> None:
+    """For ``LLM.collective_rpc`` (tests of fault containment): make the entmtp drafter of this worker fail in
+    ``stages`` (of :data:`FAULTS`) for requests whose ``seed % 3`` is 1 (``"draft"``: the heads' drafting, for
+    any batch holding such a request) or 2 (``"verify"``: the tree walk); None removes the faults."""
+    import vllm_entmtp.patches.runner as runner_mod
+
+    drafter = worker.model_runner.drafter
+    runner_mod._walk = getattr(runner_mod, "_walk_unfaulted", runner_mod._walk)
+    drafter.__dict__.pop("_draft_rows", None)
+    unknown = set(stages or ()) - set(FAULTS)
+    if unknown:
+        raise ValueError(f"unknown fault stage(s) {sorted(unknown)}; allowed: {', '.join(FAULTS)}")
+
+    def seed(req_id: str) -> int:
+        return drafter._sampling_params(req_id).seed or 0
+
+    if "draft" in (stages or ()):
+        orig_rows = type(drafter)._draft_rows.__get__(drafter)
+
+        def _draft_rows(req_ids, *args):
+            if any(seed(r) % 3 == 1 for r in req_ids):
+                raise RuntimeError("injected drafting fault")
+            return orig_rows(req_ids, *args)
+
+        drafter._draft_rows = _draft_rows
+    if "verify" in (stages or ()):
+        runner_mod._walk_unfaulted = orig_walk = runner_mod._walk
+
+        def _walk(tr, rows, sp, generator):
+            if (sp.seed or 0) % 3 == 2:
+                raise RuntimeError("injected tree-walk fault")
+            return orig_walk(tr, rows, sp, generator)
+
+        runner_mod._walk = _walk
+
+
 def run_job(job: dict, *, verbose: bool = False) -> dict:
     """Run :func:`main` on ``job`` in a fresh Python process (one engine; vLLM's CPU engine spawns its own
     processes, and one engine per process keeps runs independent) and return its output.
@@ -207,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     "conversations": [[{"role":..., "content":...}], ...], "max_tokens": 64,
     "phases": [{"name": "bs1", "concurrency": 1, "extra_args": [...] | null, "stop": [...] | null,
     "temperature": 0.0, "top_p": 1.0, "top_k": 0, "prompts": [indices into conversations] | null,
-    "abort_every": k | null, "abort_after_steps": n}, ...]}`` (a phase with ``abort_every`` runs
-    :func:`generate_with_aborts`, its ``concurrency`` ignored).
+    "abort_every": k | null, "abort_after_steps": n, "requests": [per-request SamplingParams dicts] | null,
+    "faults": [stages] | null}, ...]}`` (a phase with ``abort_every`` runs :func:`generate_with_aborts`, its
+    ``concurrency`` ignored; one with ``requests`` runs :func:`generate_requests`; ``faults`` are installed in
+    the workers for that phase only, :func:`install_faults`).
     OUT: ``{phase name: generate_chat(...) result + "tree_stats", "entmtp_metrics", "engine" (engine_counters,
     cumulative)}``; spec counters are per phase (differences).
     """
@@ -228,12 +307,18 @@ def main(argv: list[str] | None = None) -> int:
             convs = [convs[i] for i in phase["prompts"]]
         sampling = {"temperature": phase.get("temperature", 0.0), "top_p": phase.get("top_p", 1.0),
                     "top_k": phase.get("top_k", 0), "extra_args": phase.get("extra_args"), "stop": phase.get("stop")}
-        if phase.get("abort_every"):
+        if phase.get("faults"):
+            llm.collective_rpc(install_faults, args=(phase["faults"],))
+        if phase.get("requests") is not None:
+            r = generate_requests(llm, convs, phase["requests"], max_tokens=job["max_tokens"])
+        elif phase.get("abort_every"):
             r = generate_with_aborts(llm, convs, max_tokens=job["max_tokens"], abort_every=phase["abort_every"],
                                      abort_after_steps=phase.get("abort_after_steps", 2), **sampling)
         else:
             r = generate_chat(llm, convs, max_tokens=job["max_tokens"], concurrency=phase["concurrency"],
                               **sampling)
+        if phase.get("faults"):
+            llm.collective_rpc(install_faults, args=(None,))
         total = SpecDecodeCounts(**r["spec"])
         r["spec"] = asdict(SpecDecodeCounts(
             num_drafts=total.num_drafts - before.num_drafts,

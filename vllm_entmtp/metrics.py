@@ -20,6 +20,13 @@ Families (counters; Prometheus appends ``_total``), label ``tree`` = tree id (a 
 ``vllm:entmtp_tree_tokens_accepted``      accepted draft tokens in those trees (bonus token excluded)
 ``vllm:entmtp_non_first_branch_paths``    accepted paths that left the top-1 chain
 ``vllm:entmtp_kv_slots_moved``            accepted nodes whose K/V was moved to consecutive cache slots
+``vllm:entmtp_fallbacks``                 label ``stage``: request-steps that went on without speculation after
+                                          a fault in the plugin's own work at that stage (drafting, tree
+                                          bookkeeping, verification, KV compaction, signals, metrics); the
+                                          engine and the rest of the batch go on (``patches/runner.py``)
+``vllm:entmtp_requests_with_state``       gauge: requests for which the drafter holds per-request state, at its
+                                          last step (a finished or aborted request's state is dropped at the
+                                          next step; ``benchmarks/soak.py`` checks it after a run)
 ========================================  =========================================================================
 
 Limits: with ``PROMETHEUS_MULTIPROC_DIR`` (several API-server processes) vLLM serves a fresh registry and these
@@ -82,7 +89,8 @@ def publish(stats: dict, directory: str | Path | None = None) -> None:
 def read_all(directory: str | Path, parent_pid: int | None = None) -> dict:
     """Sum of the counter files in ``directory`` written by descendants of process ``parent_pid`` (None: all
     files); unreadable files are skipped."""
-    total = {"chosen": {}, "per_tree": {}, "non_first_branch_paths": 0, "kv_slots_moved": 0}
+    total = {"chosen": {}, "per_tree": {}, "non_first_branch_paths": 0, "kv_slots_moved": 0, "fallbacks": {},
+             "requests_with_state": 0}
     for f in Path(directory).glob("*.json"):
         try:
             d = json.loads(f.read_text())
@@ -90,13 +98,14 @@ def read_all(directory: str | Path, parent_pid: int | None = None) -> dict:
             continue
         if parent_pid is not None and parent_pid not in d.get("ancestor_pids", ()):
             continue
-        for tree, n in d.get("chosen", {}).items():
-            total["chosen"][tree] = total["chosen"].get(tree, 0) + n
+        for key in ("chosen", "fallbacks"):
+            for label, n in d.get(key, {}).items():
+                total[key][label] = total[key].get(label, 0) + n
         for tree, v in d.get("per_tree", {}).items():
             acc = total["per_tree"].setdefault(tree, {"steps": 0, "nodes": 0, "accepted": 0})
             for k in acc:
                 acc[k] += v.get(k, 0)
-        for k in ("non_first_branch_paths", "kv_slots_moved"):
+        for k in ("non_first_branch_paths", "kv_slots_moved", "requests_with_state"):
             total[k] += d.get(k, 0)
     return total
 
@@ -110,7 +119,7 @@ class EntMTPCollector:
         self.parent_pid = parent_pid
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         t = read_all(self.directory, self.parent_pid)
         fams = {
@@ -133,6 +142,14 @@ class EntMTPCollector:
                                   "chain.", value=t["non_first_branch_paths"])
         yield CounterMetricFamily("vllm:entmtp_kv_slots_moved", "Accepted nodes whose K/V entmtp moved to "
                                   "consecutive cache slots.", value=t["kv_slots_moved"])
+        fallbacks = CounterMetricFamily("vllm:entmtp_fallbacks", "Request-steps that went on without speculation "
+                                        "after a fault in entmtp's own work at this stage.", labels=["stage"])
+        for stage, n in sorted(t["fallbacks"].items()):
+            fallbacks.add_metric([stage], n)
+        yield fallbacks
+        yield GaugeMetricFamily("vllm:entmtp_requests_with_state", "Requests for which the drafter holds state, at "
+                                "its last step (it is dropped at the first step after vLLM lets a request go).",
+                                value=t["requests_with_state"])
 
 
 def register_collector() -> None:

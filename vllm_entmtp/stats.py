@@ -23,6 +23,12 @@ class TreeStats:
     signal_pairs: dict = field(default_factory=dict)
     # the same for the path confidence at the choice (product of the heads' top-1 probabilities), when tracked
     confidence_pairs: dict = field(default_factory=dict)
+    # stage (patches.runner.FAULT_STAGES) -> requests that went on without speculation for a step after a fault
+    fallbacks: dict = field(default_factory=dict)
+
+    def record_fallback(self, stage: str, requests: int = 1) -> None:
+        """A contained fault of the plugin's work in ``stage``, touching ``requests`` requests of a step."""
+        self.fallbacks[stage] = self.fallbacks.get(stage, 0) + requests
 
     def record_choice(self, tree_id: str | None) -> None:
         """One request-step's proposal (chains and "none" included), for the share of steps per tree."""
@@ -173,10 +179,7 @@ def worker_stats(worker) -> dict:
     scheduler = getattr(drafter, "scheduler", None)
     if scheduler is not None:
         out["scheduler"] = scheduler.stats.as_dict()
-        # requests with any per-request state in the drafter (tracker, scheduler, pending trees)
-        held = set(drafter.pending) | set(getattr(drafter, "_drafted_at", {})) | scheduler.tracked_ids()
-        if getattr(drafter, "prefix_cache", None) is not None:
-            held |= drafter.prefix_cache.tracked_ids()
         out["tracked_requests"] = len(drafter.tracker)
-        out["requests_with_state"] = len(held | drafter.tracker.tracked_ids())
+    if hasattr(drafter, "held_request_ids"):  # requests with any per-request state in the drafter
+        out["requests_with_state"] = len(drafter.held_request_ids())
     return out

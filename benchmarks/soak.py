@@ -22,7 +22,8 @@ The report (printed, and ``--result-json``):
   is over (the drafter's per-request state; only the probe's own may remain: at most 1);
 * ``preemptions`` (``vllm:num_preemptions_total`` during the run), ``spec_decode`` counters;
 * ``rss_mib``: resident memory of the server's processes (``--serve``, or ``--server-pid``: its process group)
-  after warm-up (``--warmup`` s) and at the end, and their ratio (flat: within 5 %).
+  after warm-up (``--warmup`` s) and at the end, their ratio (flat: within 5 %), and every 30 s by process
+  (``series``).
 """
 from __future__ import annotations
 
@@ -132,18 +133,22 @@ async def complete(session: aiohttp.ClientSession, url: str, body: dict) -> str:
         return data["choices"][0]["message"]["content"]
 
 
-def rss_mib(pgid: int | None) -> float | None:
+def rss_mib(pgid: int | None) -> dict | None:
+    """Resident memory (MiB) of the server's process group: ``{"total": ..., process name: ...}`` (API server,
+    engine core, worker), or None without a process group."""
     if pgid is None:
         return None
-    total = 0
+    out = {"total": 0.0}
     for pid in compare.group_members(pgid):
         try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
+            status = Path(f"/proc/{pid}/status").read_text().splitlines()
         except OSError:
             continue
-    return round(total / 1024, 1)
+        name = next((ln.split()[1] for ln in status if ln.startswith("Name:")), str(pid))
+        kib = next((int(ln.split()[1]) for ln in status if ln.startswith("VmRSS:")), 0)
+        out[name] = round(out.get(name, 0.0) + kib / 1024, 1)
+        out["total"] = round(out["total"] + kib / 1024, 1)
+    return out
 
 
 async def fetch_metrics(session: aiohttp.ClientSession, base_url: str) -> dict | None:
@@ -177,7 +182,7 @@ async def soak(args, base_url: str, pgid: int | None) -> tuple[dict, list[tuple[
     counts = {"requests": 0, "completed": 0, "disconnected": 0, "errors": 0}
     errors: list[str] = []
     greedy: dict[str, tuple[dict, str]] = {}
-    mem = {"after_warmup": None, "end": None}
+    mem: dict = {"after_warmup": None, "end": None, "series": []}
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
         model = await tp.first_model(session, base_url)
         before = await fetch_metrics(session, base_url)
@@ -198,13 +203,21 @@ async def soak(args, base_url: str, pgid: int | None) -> tuple[dict, list[tuple[
                 if r["status"] == "completed" and fields.get("temperature") == 0:
                     greedy.setdefault(f"{pid}/{name}", (body, r["text"]))
 
-        async def memory() -> None:
-            await asyncio.sleep(min(args.warmup, args.duration))
-            mem["after_warmup"] = rss_mib(pgid)
+        async def memory() -> None:  # every 30 s while the load runs; the first reading past --warmup counts
+            while time.monotonic() - t0 < args.duration:
+                await asyncio.sleep(min(30.0, max(0.0, args.duration - (time.monotonic() - t0))))
+                now = rss_mib(pgid)
+                if now is None:
+                    return
+                elapsed = round(time.monotonic() - t0)
+                mem["series"].append({"s": elapsed, **now})
+                if mem["after_warmup"] is None and elapsed >= min(args.warmup, args.duration):
+                    mem["after_warmup"] = now["total"]
 
         await asyncio.gather(memory(), *(client(c) for c in range(args.concurrency)))
         seconds = time.monotonic() - t0
-        mem["end"] = rss_mib(pgid)
+        end = rss_mib(pgid)
+        mem["end"] = end["total"] if end else None
         # one probe request, then the drafter's per-request state (only the probe's may remain)
         await complete(session, url, payload(model, ps[0][1], {"temperature": 0}, 4, seed=0))
         after = await fetch_metrics(session, base_url)

@@ -17,7 +17,8 @@ The report (printed, and ``--result-json``):
 * ``greedy_checked`` / ``greedy_mismatches``: every distinct greedy (prompt, option) pair that completed is sent
   again to the reference, ``plain`` (a server without speculation: ``--serve`` starts one, or
   ``--reference-url``) or ``no-draft`` (the same server with ``entmtp_num_draft_tokens`` 0, which the lossless
-  tests hold equal to plain decoding), one at a time; its text must be the same;
+  tests hold equal to plain decoding), 16 at a time (in float32 the batch does not change greedy output); its
+  text must be the same;
 * ``requests_with_state_after``: ``vllm:entmtp_requests_with_state`` after one probe request sent once the load
   is over (the drafter's per-request state; only the probe's own may remain: at most 1);
 * ``preemptions`` (``vllm:num_preemptions_total`` during the run), ``spec_decode`` counters;
@@ -151,21 +152,8 @@ def rss_mib(pgid: int | None) -> dict | None:
     return out
 
 
-async def fetch_metrics(session: aiohttp.ClientSession, base_url: str) -> dict | None:
-    """Every sample of ``/metrics`` as ``{sample name: {labels: value}}`` (``throughput.parse_metrics`` keeps the
-    speculative ones only; the soak also reads vLLM's preemption counter)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        async with session.get(f"{base_url}/metrics", timeout=aiohttp.ClientTimeout(total=30)) as resp:
-            text = await resp.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-        return None
-    snap: dict = {}
-    for family in text_string_to_metric_families(text):
-        for smp in family.samples:
-            snap.setdefault(smp.name, {})[tuple(sorted(smp.labels.items()))] = smp.value
-    return snap
+#: the samples the soak reads: spec-decode and entmtp (throughput.py's defaults) and vLLM's preemption counter
+METRIC_PREFIXES = (tp.SPEC_PREFIX, *tp.TREE_PREFIXES, "vllm:num_preemptions")
 
 
 def metric(snap: dict | None, name: str) -> float:
@@ -185,7 +173,7 @@ async def soak(args, base_url: str, pgid: int | None) -> tuple[dict, list[tuple[
     mem: dict = {"after_warmup": None, "end": None, "series": []}
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
         model = await tp.first_model(session, base_url)
-        before = await fetch_metrics(session, base_url)
+        before = await tp.fetch_metrics(session, base_url, METRIC_PREFIXES)
         t0 = time.monotonic()
 
         async def client(c: int) -> None:
@@ -220,7 +208,7 @@ async def soak(args, base_url: str, pgid: int | None) -> tuple[dict, list[tuple[
         mem["end"] = end["total"] if end else None
         # one probe request, then the drafter's per-request state (only the probe's may remain)
         await complete(session, url, payload(model, ps[0][1], {"temperature": 0}, 4, seed=0))
-        after = await fetch_metrics(session, base_url)
+        after = await tp.fetch_metrics(session, base_url, METRIC_PREFIXES)
     report = {
         **counts, "error_messages": errors, "seconds": round(seconds, 1),
         "requests_with_state_after": metric(after, "vllm:entmtp_requests_with_state"),

@@ -405,15 +405,16 @@ def summarize(records: list[RequestRecord], duration_s: float, percentiles=PERCE
 
 
 # ------------------------------------------------------------------------------------------ /metrics
-def parse_metrics(text: str) -> Snapshot:
-    """The spec-decode and entmtp samples of a Prometheus text exposition: ``{sample name: {labels: value}}``.
+def parse_metrics(text: str, prefixes: tuple[str, ...] = (SPEC_PREFIX, *TREE_PREFIXES)) -> Snapshot:
+    """The samples of a Prometheus text exposition whose names start with ``prefixes`` (default: spec-decode and
+    entmtp): ``{sample name: {labels: value}}``.
 
     ``*_created`` (creation timestamps) and histogram ``*_bucket`` samples are left out.
     """
     snap: Snapshot = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if not s.name.startswith((SPEC_PREFIX, *TREE_PREFIXES)) or s.name.endswith(("_created", "_bucket")):
+            if not s.name.startswith(prefixes) or s.name.endswith(("_created", "_bucket")):
                 continue
             snap.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
     return snap
@@ -602,13 +603,14 @@ async def first_model(session: aiohttp.ClientSession, base_url: str) -> str | No
     return str(models[0]["id"]) if models and isinstance(models[0], dict) and "id" in models[0] else None
 
 
-async def fetch_metrics(session: aiohttp.ClientSession, base_url: str) -> Snapshot | None:
-    """Parsed ``/metrics``, or None if the server has none (or it does not parse)."""
+async def fetch_metrics(session: aiohttp.ClientSession, base_url: str,
+                        prefixes: tuple[str, ...] = (SPEC_PREFIX, *TREE_PREFIXES)) -> Snapshot | None:
+    """Parsed ``/metrics`` (:func:`parse_metrics`), or None if the server has none (or it does not parse)."""
     try:
         async with session.get(f"{base_url}/metrics", timeout=aiohttp.ClientTimeout(total=30)) as resp:
             if resp.status != 200:
                 return None
-            return parse_metrics(await resp.text())
+            return parse_metrics(await resp.text(), prefixes)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
         return None
 

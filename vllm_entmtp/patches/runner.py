@@ -16,8 +16,8 @@ vLLM verifies itself, when greedy; when they sample (temperature > 0) they draft
 random rejection sampling returned garbage tokens as soon as draft tokens were present (seen with its ngram
 method too). One cause is found and patched (:mod:`vllm_entmtp.patches.sampler`: its per-token
 temperature/top-k/top-p were uninitialised memory); the rest of that path is not covered by this project's
-tests, so those requests still draft nothing. Every other
-sampling request, chain or tree, is verified by this project's rejection sampler.
+tests, so those requests still draft nothing. Every other sampling request, chain or tree, is verified by this
+project's rejection sampler.
 
 Faults in the plugin's own per-request work are contained (:func:`fault`, :data:`FAULT_STAGES`): a request whose
 drafting fails drafts nothing this step; one whose tree bookkeeping, tree walk or KV compaction fails keeps the
@@ -79,9 +79,8 @@ def fault(drafter, stage: str, req_ids: list[str], exc: BaseException) -> None:
     ``vllm:entmtp_fallbacks_total``) and logged, with its traceback, the first time per stage and process. The
     requests it touched go on without speculation for this step (the caller sees to that)."""
     drafter.tree_stats.record_fallback(stage, max(len(req_ids), 1))
-    logged = drafter.__dict__.setdefault("_faults_logged", set())
-    if stage not in logged:
-        logged.add(stage)
+    if stage not in drafter.faults_logged:
+        drafter.faults_logged.add(stage)
         logger.warning("entmtp: %s failed for request(s) %s (%s: %s); they go on without speculation for this "
                        "step, the rest of the batch is untouched (logged once per stage; counted in "
                        "vllm:entmtp_fallbacks_total{stage=%r})", stage, ", ".join(req_ids) or "-",
@@ -119,6 +118,7 @@ def _make_proposer_class():
             # request -> (tree id, entropy EMA, path confidence) of its last draft
             self._drafted_at: dict[str, tuple[str, float | None, float | None]] = {}
             self._warned: set[str] = set()
+            self.faults_logged: set[str] = set()  # stages whose first fault was logged (fault())
             self.tree_stats = TreeStats()
             self.step_timer = StepTimer() if os.environ.get(STEP_TIMES_ENV) == "1" else None
             self.static_tree = Tree(spec.entmtp_tree) if spec.entmtp_tree else None
@@ -260,13 +260,15 @@ def _make_proposer_class():
             out: list[list[int]] = []
             for i, tree in enumerate(trees):
                 one = slice(i, i + 1)
-                try:
-                    out += self._draft_rows(req_ids[one], hidden[one], trees[one],
-                                            None if bonus is None else bonus[one], None,
-                                            None if stops is None else stops[one]) if tree is not None else [[]]
-                except Exception as e:  # noqa: BLE001 - this request goes on without draft tokens
-                    fault(self, "draft", req_ids[one], e)
-                    out.append([])
+                drafts = [[]]
+                if tree is not None:
+                    try:
+                        drafts = self._draft_rows(req_ids[one], hidden[one], trees[one],
+                                                  None if bonus is None else bonus[one], None,
+                                                  None if stops is None else stops[one])
+                    except Exception as e:  # noqa: BLE001 - this request goes on without draft tokens
+                        fault(self, "draft", req_ids[one], e)
+                out += drafts
             return out
 
         def _draft_rows(self, req_ids: list[str], hidden, trees, bonus, state, stops) -> list[list[int]]:

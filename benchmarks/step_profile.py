@@ -4,7 +4,7 @@
     python benchmarks/step_profile.py --methods plain,entmtp --concurrency 16 --out runs/profile-c16.json
 
 Each method runs in its own process: an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, compiled as
-``vllm serve`` runs it unless ``--eager``), float32, greedy, ``--concurrency`` requests at a time over the prompt
+``vllm serve`` runs it unless ``--eager``), float32 unless ``--dtype``, greedy, ``--concurrency`` requests at a time over the prompt
 set, after one warm-up batch. Wrappers around vLLM's engine step and the V1 model runner's methods time every
 step; the report gives, per method, the median milliseconds of each phase over the steps where exactly
 ``--concurrency`` requests decode (no prompt tokens), and each phase's difference from the first method:
@@ -36,6 +36,9 @@ import sys
 import time
 
 PHASES = ("step", "schedule", "prepare", "forward", "logits", "sample", "propose", "bookkeep")
+#: Inside ``sample`` and ``propose`` (entmtp only): the entropy signal, the heads (confidence and drafting), the
+#: tracker and scheduler. (The counters for ``/metrics`` are written by a thread, off the step's path.)
+SUB_PHASES = ("signals", "heads", "schedule_trees")
 RUNNER_PHASES = {"_prepare_inputs": "prepare", "_model_forward": "forward", "_sample": "sample",
                  "propose_draft_token_ids": "propose", "_bookkeeping_sync": "bookkeep"}
 METHODS = {
@@ -59,7 +62,8 @@ def summarize(records: list[dict], concurrency: int) -> dict:
     if not dec:
         raise ValueError(f"no step decoded exactly {concurrency} requests ({len(records)} steps recorded)")
     return {"decode_steps": len(dec), "rows": round(statistics.mean(r["rows"] for r in dec), 3),
-            "median_ms": {p: round(1000 * statistics.median(r.get(p, 0.0) for r in dec), 3) for p in PHASES}}
+            "median_ms": {p: round(1000 * statistics.median(r.get(p, 0.0) for r in dec), 3)
+                          for p in PHASES + SUB_PHASES}}
 
 
 def split_methods(text: str) -> list[str]:
@@ -87,11 +91,13 @@ def split_methods(text: str) -> list[str]:
 def format_table(results: list[dict]) -> str:
     """Markdown: one row per method, median ms per phase, and ``(+x)`` against the first method."""
     base = results[0]["median_ms"]
-    head = "| method | tokens/s | rows | " + " | ".join(PHASES) + " |"
-    out = [head, "|" + "---|" * 2 + "---:|" * (len(PHASES) + 1)]
+    phases = PHASES + tuple(p for p in SUB_PHASES if any(r["median_ms"].get(p, 0.0) for r in results))
+    head = "| method | tokens/s | rows | " + " | ".join(phases) + " |"
+    out = [head, "|" + "---|" * 2 + "---:|" * (len(phases) + 1)]
     for r in results:
         ms = r["median_ms"]
-        cells = [f"{ms[p]:.2f}" + (f" ({ms[p] - base[p]:+.2f})" if r is not results[0] else "") for p in PHASES]
+        cells = [f"{ms.get(p, 0.0):.2f}" + (f" ({ms.get(p, 0.0) - base.get(p, 0.0):+.2f})"
+                                             if r is not results[0] else "") for p in phases]
         out.append(f"| {r['method']} | {r['tokens_per_s']:.2f} | {r['rows']:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
@@ -140,6 +146,17 @@ def _profile(method: str, spec: dict | None, args) -> dict:
         return so
 
     EngineCore.step, Scheduler.schedule = step, schedule
+    import vllm_entmtp.step as entmtp_step
+    from vllm_entmtp.entropy import EntropyTracker
+    from vllm_entmtp.proposer import HydraDrafter, MTPDrafter
+    from vllm_entmtp.scheduler import TreeScheduler
+
+    entmtp_step._step_signals = timed(entmtp_step._step_signals, "signals")
+    for cls in (HydraDrafter, MTPDrafter):
+        for name in ("confidence", "propose"):
+            setattr(cls, name, timed(getattr(cls, name), "heads"))
+    TreeScheduler.choose = timed(TreeScheduler.choose, "schedule_trees")
+    EntropyTracker.update = timed(EntropyTracker.update, "schedule_trees")
     from vllm.model_executor.models.llama import LlamaForCausalLM  # the default target's class
 
     LlamaForCausalLM.compute_logits = timed(LlamaForCausalLM.compute_logits, "logits")
@@ -148,7 +165,7 @@ def _profile(method: str, spec: dict | None, args) -> dict:
     from vllm_entmtp.datasets import load_prompts
     from vllm_entmtp.models import prepare_default_model
 
-    llm = LLM(model=args.model or str(prepare_default_model()), dtype="float32", max_model_len=2048,
+    llm = LLM(model=args.model or str(prepare_default_model()), dtype=args.dtype, max_model_len=2048,
               max_num_seqs=max(args.concurrency, 4), enforce_eager=args.eager, seed=0, speculative_config=spec,
               gpu_memory_utilization=0.3)
     convs = [p.messages for p in load_prompts(args.prompt_set, limit=args.num_prompts, max_chars=1500)]
@@ -175,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--eager", action="store_true", help="no torch.compile (vllm serve compiles by default)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                    help="the target's dtype (measure both float32 and bfloat16: the faster differs by CPU)")
     ap.add_argument("--model", default=None, help="target model folder (default: the prepared default model)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -202,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, "--child", "1", "--methods",
                name if spec is None or METHODS.get(name) == spec else f"{name}={json.dumps(spec)}",
                "--concurrency", str(args.concurrency), "--prompt-set", args.prompt_set,
-               "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens)]
+               "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens), "--dtype", args.dtype]
         cmd += ["--eager"] * args.eager + (["--model", args.model] if args.model else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("STEP_PROFILE ")), None)
@@ -212,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {results[-1]['tokens_per_s']:.2f} tokens/s, {results[-1]['decode_steps']} decode steps",
               flush=True)
     text = (f"{args.prompt_set}, {args.num_prompts} prompts x {args.max_tokens} tokens, concurrency "
-            f"{args.concurrency}, {'eager' if args.eager else 'compiled'}, float32; median ms per decode step\n\n"
+            f"{args.concurrency}, {'eager' if args.eager else 'compiled'}, {args.dtype}; median ms per decode step\n\n"
             + format_table(results))
     print(text)
     if args.out:

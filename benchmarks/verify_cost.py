@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     from vllm import _custom_ops as ops
 
     from vllm_entmtp.patches.tree_attention import tree_rows_attention, tree_rows_plan
-    from vllm_entmtp.patches.tree_step import fix_rows_for
+    from vllm_entmtp.trees import fix_rows_for
     from vllm_entmtp.trees import load_tree_set
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

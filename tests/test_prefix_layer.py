@@ -138,7 +138,7 @@ def test_runner_feeds_the_prefix_cache_the_committed_rows():
     tree whose accepted path is nodes 2 then 5."""
     from types import SimpleNamespace
 
-    from vllm_entmtp.patches.runner import _prefix_layer_hidden
+    from vllm_entmtp.step import STEP, prefix_layer_hidden
 
     got = {}
 
@@ -152,11 +152,14 @@ def test_runner_feeds_the_prefix_cache_the_committed_rows():
     positions = torch.tensor([0, 1, 2, 3, 4, 20, 21, 22, 40, 41, 42, 43, 60, 61, 61, 62, 62, 62, 63])
     runner = SimpleNamespace(query_start_loc=SimpleNamespace(np=qsl), positions=positions,
                              input_batch=SimpleNamespace(req_ids=["chunk", "last", "chain", "tree"]),
-                             _entmtp_paths={3: [2, 5]}, drafter=SimpleNamespace(prefix_cache=Cache()))
+                             drafter=SimpleNamespace(prefix_cache=Cache()))
     hidden = torch.arange(19, dtype=torch.float32)[:, None].expand(19, 4)  # row i holds i
     sampled = [[], [7], [1, 2, 3], [4, 5, 6]]
     meta = SimpleNamespace(num_draft_tokens=[0, 0, 3, 6])
-    _prefix_layer_hidden(runner, hidden, sampled, meta)
+    STEP.reset({})
+    STEP.paths[3] = [2, 5]
+    prefix_layer_hidden(runner, hidden, sampled, meta)
+    STEP.reset({})
     assert got["chunk"] == ([0, 1, 2, 3, 4], [0, 1, 2, 3, 4])
     assert got["last"] == ([5, 6, 7], [20, 21, 22])
     assert got["chain"] == ([8, 9, 10], [40, 41, 42])

@@ -185,27 +185,32 @@ def test_hydra_chain_stop_keeps_the_first_node_and_reuses_the_confidence_state()
     assert drafter.propose(x, [Tree.chain(3)] * 8, bonus, chain_stop=[stop] * 8) == out  # no state: the same
 
 
-def test_hydra_small_head_evaluations_use_the_float16_draft_lm_head():
-    """A CPU drafter multiplies at most half_gemv_max_rows rows by a float16 copy of the draft lm_head (half the
-    bytes of a memory-bound GEMV); bigger evaluations, and the default drafter, stay in float32."""
+def test_hydra_measured_kernels_compute_what_the_heads_compute():
+    """The server's drafter (measure_kernels: each head block's two maps fused into one linear, each linear by
+    the kernel measured fastest here) gives the heads' own modules' logits, to float16 rounding at worst, at one
+    row and at many; every candidate kernel computes x @ W.T + b."""
+    from vllm_entmtp.fast_linear import LARGE_ROWS, FastLinear
     from vllm_entmtp.proposer import HydraDrafter
 
     drafter, heads, w, e = _hydra(draft_vocab=7)
-    half = HydraDrafter(heads, lambda ids: e[ids], w, half_gemv_max_rows=2)
-    assert drafter.w_draft_half is None and half.w_draft_half.dtype == torch.float16
-    assert torch.equal(half.w_draft_half, heads.draft_lm_weight(w).half())
-    x = torch.randn(3, 8)
-    ids = torch.tensor([[1], [2], [3]])
-    for n in (1, 2, 3):
-        toks, p1 = half._level(0, x[:n], ids[:n], 3)
-        hs = heads.hidden_states(0, x[:n], e[ids[:n]])
-        lg = (hs.half() @ heads.draft_lm_weight(w).half().t()).float() if n <= 2 else hs @ heads.draft_lm_weight(w).t()
-        assert toks == heads.to_token_ids(lg.topk(3).indices).tolist(), n
-        assert p1 == pytest.approx(torch.softmax(lg, -1).amax(-1).tolist(), abs=1e-6)
-        ref, p_ref = drafter._level(0, x[:n], ids[:n], 3)
-        assert p1 == pytest.approx(p_ref, abs=2e-2)  # float16 logits: close to float32's
-        if n == 3:
-            assert (toks, p1) == (ref, p_ref)  # above the row limit: float32, the default drafter's result
+    fast = HydraDrafter(heads, lambda ids: e[ids], w, measure_kernels=True)
+    assert drafter.blocks is None and len(fast.blocks) == heads.num_heads
+    x = torch.randn(LARGE_ROWS + 2, 8)
+    ids = torch.randint(0, 11, (LARGE_ROWS + 2, 3))
+    for k in range(heads.num_heads):
+        for n in (1, LARGE_ROWS + 2):
+            ref = heads.logits(k, heads.hidden_states(k, x[:n], e[ids[:n]]), heads.draft_lm_weight(w))
+            got = fast._logits(k, fast._hidden_states(k, x[:n], e[ids[:n]]))
+            torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    lin = FastLinear(w, torch.randn(w.shape[0]))
+    for name, kernel in lin.kernels.items():
+        torch.testing.assert_close(kernel(x), x @ w.t() + lin.kernels["torch"](torch.zeros(1, 8)), atol=2e-2,
+                                   rtol=2e-2, msg=name)
+    assert {lin.small, lin.large} <= set(lin.kernels) and set(lin.timings) == {1, LARGE_ROWS}
+    forced = FastLinear(w, kernel="torch")
+    assert (forced.small, forced.large, forced.timings) == ("torch", "torch", {})
+    with pytest.raises(ValueError, match="not available"):
+        FastLinear(w, kernel="tpu")
 
 
 def test_hydra_needs_the_bonus_token():

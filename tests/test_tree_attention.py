@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from vllm_entmtp.patches.tree_step import fix_rows_for
+from vllm_entmtp.trees import fix_rows_for
 from vllm_entmtp.trees import Tree
 
 ops = pytest.importorskip("vllm._custom_ops")
@@ -67,8 +67,8 @@ def test_ancestor_mask_and_fix_rows():
 
 
 def test_compaction_moves_accepted_path_into_consecutive_slots():
-    from vllm_entmtp.patches import runner
-    from vllm_entmtp.patches.tree_step import STEP, TreeRows
+    from vllm_entmtp import step
+    from vllm_entmtp.step import STEP, TreeRows
 
     torch.manual_seed(0)
     tree = Tree([[0], [1], [1, 0], [1, 1]])
@@ -89,7 +89,7 @@ def test_compaction_moves_accepted_path_into_consecutive_slots():
     tr = TreeRows(0, q0, [11, 12, 13, 14], parents, tree.ancestor_mask(), fix_rows_for(parents))
     STEP.reset({0: tr})
     STEP.kv["l0"] = (Layer, Impl, cache, key[q0:].clone(), value[q0:].clone(), slots[q0:].clone())
-    runner._compact_kv([(tr, [2, 4])])
+    step._compact_kv([(tr, [2, 4])])
     STEP.reset({})
     # read back: K is stored transposed per block ([D, BS]), V plain ([BS, D])
     mem = cache.view(2, HKV, 2, BS * D)

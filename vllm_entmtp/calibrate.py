@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from vllm_entmtp.fast_linear import use_vllm_cpu_gemm
 from vllm_entmtp.trees import NO_DRAFT_ID
 
 STATS_VERSION = 2
@@ -661,39 +662,13 @@ def monotone_times(times: dict[int, float]) -> dict[int, float]:
     return out
 
 
-def use_vllm_cpu_gemm(model) -> bool:
-    """Run every float32 ``nn.Linear`` of ``model`` (the lm_head included) through vLLM's CPU GEMM (oneDNN
-    ``onednn_mm``, what vLLM's CPU backend uses for these layers), so that verification costs are timed with
-    the kernels that serve them: torch's own small-M GEMM costs differ a lot (on an AVX2 CPU, 2 or 3 rows of the
-    lm_head take 2-3x one row in torch, ~1.2x in oneDNN). In place; False (nothing changed) when vLLM or its
-    oneDNN ops are not available."""
-    try:
-        from vllm import _custom_ops as ops
-    except Exception:  # noqa: BLE001 - no vLLM, or no CPU build of it
-        return False
-    if not getattr(ops, "_supports_onednn", False):
-        return False
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32:
-            handle = ops.create_onednn_mm(m.weight.t(), 32)
-
-            def forward(x, _h=handle, _b=m.bias):
-                y = ops.onednn_mm(_h, x.reshape(-1, x.shape[-1]).contiguous(), _b)
-                return y.reshape(*x.shape[:-1], y.shape[-1])
-
-            m.forward = forward
-    return True
-
-
 def make_drafter(heads, view: TargetView):
-    """The runtime drafter (:mod:`vllm_entmtp.proposer`) for ``heads`` over the transformers target."""
-    from vllm_entmtp.heads.hydra import HydraHeads
-    from vllm_entmtp.proposer import HydraDrafter, MTPDrafter
+    """The drafter the server runs (:func:`vllm_entmtp.proposer.make_drafter`, kernels measured on this machine
+    included) for ``heads`` over the transformers target."""
+    from vllm_entmtp.proposer import make_drafter as runtime_drafter
 
-    if isinstance(heads, HydraHeads):
-        return HydraDrafter(heads, view.embed, view.lm_head)
     w = view.lm_head
-    return MTPDrafter(heads, lambda x: x @ w.t())
+    return runtime_drafter(heads, embed=view.embed, lm_head_weight=w, compute_logits=lambda x: x @ w.t())
 
 
 @torch.inference_mode()

@@ -216,10 +216,10 @@ def install_faults(worker, stages: list[str] | None) -> None:
     """For ``LLM.collective_rpc`` (tests of fault containment): make the entmtp drafter of this worker fail in
     ``stages`` (of :data:`FAULTS`) for requests whose ``seed % 3`` is 1 (``"draft"``: the heads' drafting, for
     any batch holding such a request) or 2 (``"verify"``: the tree walk); None removes the faults."""
-    import vllm_entmtp.patches.runner as runner_mod
+    import vllm_entmtp.step as step_mod
 
     drafter = worker.model_runner.drafter
-    runner_mod._walk = getattr(runner_mod, "_walk_unfaulted", runner_mod._walk)
+    step_mod._walk = getattr(step_mod, "_walk_unfaulted", step_mod._walk)
     drafter.__dict__.pop("_draft_rows", None)
     unknown = set(stages or ()) - set(FAULTS)
     if unknown:
@@ -238,14 +238,14 @@ def install_faults(worker, stages: list[str] | None) -> None:
 
         drafter._draft_rows = _draft_rows
     if "verify" in (stages or ()):
-        runner_mod._walk_unfaulted = orig_walk = runner_mod._walk
+        step_mod._walk_unfaulted = orig_walk = step_mod._walk
 
         def _walk(tr, rows, sp, generator):
             if (sp.seed or 0) % 3 == 2:
                 raise RuntimeError("injected tree-walk fault")
             return orig_walk(tr, rows, sp, generator)
 
-        runner_mod._walk = _walk
+        step_mod._walk = _walk
 
 
 def run_job(job: dict, *, verbose: bool = False) -> dict:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from vllm_entmtp.fast_linear import FastLinear
 from vllm_entmtp.heads.hydra import HydraHeads
 from vllm_entmtp.heads.medusa import MedusaHeads
 from vllm_entmtp.tree_proposal import build_tree_drafts, needed_heads, needed_topk
@@ -161,15 +162,6 @@ class MTPDrafter:
         return self.propose(hidden, [Tree.chain(min(x, n)) if x > 0 else None for x in budgets])
 
 
-HALF_GEMV_MAX_ROWS = 4
-"""On a CPU, head evaluations of at most this many rows multiply by a float16 copy of the draft lm_head
-(:class:`HydraDrafter`, ``half_gemv_max_rows``). One row times the 8,192 x 576 float32 draft lm_head is a
-memory-bound GEMV of 19 MB (about 2 ms of the 3 ms a head level takes here); in float16 it reads half the bytes
-and took 0.9 ms. The first head plus a 2-token chain took 6.8 instead of 10.3 ms for one request, 13.6 instead of
-18.0 ms for 4; from about 8 rows on, float32 is as fast or faster on a CPU without float16 arithmetic (AVX2:
-every row converts). Draft tokens may differ from float32's at near-ties; verification keeps the output exact."""
-
-
 class HydraDrafter:
     """Proposes per-request draft trees (chains included) from Hydra heads, depth by depth.
 
@@ -179,8 +171,9 @@ class HydraDrafter:
         lm_head_weight: the target's lm_head weight ``[vocab, hidden]`` (used when the heads share it; its
             draft-vocabulary rows are copied once here).
         confidence_threshold: as for :class:`MTPDrafter` (chains only).
-        half_gemv_max_rows: head evaluations of at most this many rows use a float16 copy of the (shared, float32,
-            CPU) draft lm_head, :data:`HALF_GEMV_MAX_ROWS`; 0 (default): always the weights as they are.
+        measure_kernels: run each head's block (its two linear maps fused into one) and the draft lm_head by
+            the kernel measured fastest on this machine (:class:`~vllm_entmtp.fast_linear.FastLinear`; the
+            server's and ``build-trees``' drafter); False (default): the heads' own modules, as trained.
     """
 
     #: :meth:`confidence` runs heads along the greedy chain (as many as asked), which a tree may not need: callers
@@ -188,17 +181,35 @@ class HydraDrafter:
     confidence_is_free = False
 
     def __init__(self, heads: HydraHeads, embed: Callable[[torch.Tensor], torch.Tensor],
-                 lm_head_weight: torch.Tensor | None, confidence_threshold: float = 0.0, half_gemv_max_rows: int = 0):
+                 lm_head_weight: torch.Tensor | None, confidence_threshold: float = 0.0,
+                 measure_kernels: bool = False):
         self.heads = heads
         self.embed = embed
         w = heads.draft_lm_weight(lm_head_weight)
         self.w_draft = w.detach().contiguous() if w is not None else None
         self.confidence_threshold = float(confidence_threshold)
-        self.half_gemv_max_rows = int(half_gemv_max_rows)
-        self.w_draft_half = None
-        if (self.half_gemv_max_rows > 0 and self.w_draft is not None and self.w_draft.dtype == torch.float32
-                and self.w_draft.device.type == "cpu"):
-            self.w_draft_half = self.w_draft.half()
+        self.blocks: list[tuple[FastLinear, int]] | None = None
+        self.lm: list[FastLinear] | None = None
+        if measure_kernels:
+            self.blocks, self.lm = _fast_hydra_layers(heads, self.w_draft)
+
+    def describe_kernels(self) -> str:
+        """Which kernel each of the heads' linear layers runs (for the start-up log)."""
+        if self.blocks is None:
+            return "the heads' own modules"
+        return f"head blocks {self.blocks[0][0].describe()}; draft lm_head {self.lm[0].describe()}"
+
+    def _hidden_states(self, k: int, hidden: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        if self.blocks is None:
+            return self.heads.hidden_states(k, hidden, emb)
+        fused, h = self.blocks[k]
+        y = fused(torch.cat([hidden, emb[:, :k + 1].flatten(1)], dim=-1))  # [N, 2H]: R x + b_R | W x + b_W
+        return y[:, :h] + torch.nn.functional.silu(y[:, h:])
+
+    def _logits(self, k: int, x: torch.Tensor) -> torch.Tensor:
+        if self.lm is None:
+            return self.heads.logits(k, x, self.w_draft)
+        return self.lm[k if len(self.lm) > 1 else 0](x)
 
     @property
     def num_heads(self) -> int:
@@ -210,10 +221,7 @@ class HydraDrafter:
         (``N`` lists of the top-``topk`` token ids, ``N`` top-1 probabilities)."""
         n = path_ids.shape[0]
         emb = self.embed(path_ids.reshape(-1)).view(n, path_ids.shape[1], -1).to(hidden.dtype)
-        x = self.heads.hidden_states(k, hidden, emb)
-        half = self.w_draft_half is not None and n <= self.half_gemv_max_rows
-        logits = (self.heads.logits(k, x.half(), self.w_draft_half) if half
-                  else self.heads.logits(k, x, self.w_draft)).float()
+        logits = self._logits(k, self._hidden_states(k, hidden, emb)).float()
         vals, cols = logits.topk(topk, dim=-1)
         top1_p = torch.exp(vals[:, 0] - torch.logsumexp(logits, dim=-1))
         return self.heads.to_token_ids(cols).tolist(), top1_p.tolist()
@@ -402,12 +410,44 @@ class PrefixKVCache:
         return len(self._kv)
 
 
-def make_drafter(heads: MedusaHeads | HydraHeads, target_model, confidence_threshold: float = 0.0
-                 ) -> MTPDrafter | HydraDrafter:
-    """The drafter for ``heads`` on a vLLM target model (uses its ``compute_logits``, ``embed_input_ids`` and
-    ``lm_head.weight``); Hydra heads evaluate up to :data:`HALF_GEMV_MAX_ROWS` rows in float16 on a CPU."""
+def _fast_hydra_layers(heads: HydraHeads, w_draft: torch.Tensor | None
+                       ) -> tuple[list[tuple[FastLinear, int]], list[FastLinear]]:
+    """Per head, its block's two linear maps fused into one ``[2H, in]`` :class:`FastLinear` (the residual map
+    first; the identity where the block has none), and the draft lm_head(s)."""
+    if not heads.config.grounded_heads or heads.config.hydra_num_layers != 1:
+        raise ValueError("measured kernels need grounded Hydra heads of one layer (the shipped layout)")
+    blocks = []
+    for k in range(heads.num_heads):
+        blk = heads.hydra_mlp[k][0]
+        lin, res = blk.linear, blk.res_connection
+        h, n_in = lin.weight.shape
+        if isinstance(res, torch.nn.Linear):
+            rw, rb = res.weight, res.bias
+        else:  # identity residual (n_in == h)
+            rw, rb = torch.eye(h, n_in, dtype=lin.weight.dtype), torch.zeros(h, dtype=lin.weight.dtype)
+        w = torch.cat([rw, lin.weight]).detach()
+        b = torch.cat([rb, lin.bias]).detach()
+        blocks.append((FastLinear(w, b), h))
+    if heads.hydra_lm_head is not None:
+        lm = [FastLinear(m.weight.detach(), m.bias.detach() if m.bias is not None else None)
+              for m in heads.hydra_lm_head]
+    else:
+        lm = [FastLinear(w_draft)]
+    return blocks, lm
+
+
+def make_drafter(heads: MedusaHeads | HydraHeads, *, embed: Callable[[torch.Tensor], torch.Tensor],
+                 lm_head_weight: torch.Tensor | None, compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                 confidence_threshold: float = 0.0) -> MTPDrafter | HydraDrafter:
+    """The drafter the server runs and ``build-trees`` times: Hydra heads with kernels measured on this machine
+    (``measure_kernels``), Medusa heads over the target's ``compute_logits``.
+
+    Args:
+        embed: the target's input embedding (Hydra heads read the path's embeddings).
+        lm_head_weight: the target's lm_head weight ``[vocab, hidden]``.
+        compute_logits: the target's lm_head as a function (Medusa heads).
+    """
     if isinstance(heads, HydraHeads):
-        lm = getattr(getattr(target_model, "lm_head", None), "weight", None)
-        return HydraDrafter(heads, target_model.embed_input_ids, lm, confidence_threshold=confidence_threshold,
-                            half_gemv_max_rows=HALF_GEMV_MAX_ROWS)
-    return MTPDrafter(heads, target_model.compute_logits, confidence_threshold=confidence_threshold)
+        return HydraDrafter(heads, embed, lm_head_weight, confidence_threshold=confidence_threshold,
+                            measure_kernels=True)
+    return MTPDrafter(heads, compute_logits, confidence_threshold=confidence_threshold)

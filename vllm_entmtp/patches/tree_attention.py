@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from vllm_entmtp.patches.tree_step import STEP
+from vllm_entmtp.step import STEP
 
 SUPPORTED_ISA = "vec"
 

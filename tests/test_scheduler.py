@@ -335,10 +335,83 @@ def test_cost_model_options_and_when_it_does_not_apply():
     for bad in (-0.1, 1.5, float("nan"), True):
         with pytest.raises(SchedulerError, match="decode_row_cost must be a number in"):
             _cost_sched(decode_row_cost=bad)
-    assert EntMTPConfig().load_policy == "cap"
+    assert EntMTPConfig().load_policy == "measured"
     opts = EntMTPConfig(policy="confidence", tree_set="x", load_policy="cost", decode_row_cost=0.1)
     s = TreeScheduler.from_config(opts, _costed_set())
     assert s.load_policy == "cost" and s.cost_model and s.decode_row_cost == 0.1
     for bad in (dict(load_policy="none"), dict(decode_row_cost=2.0)):
         with pytest.raises(ValueError):
             EntMTPConfig(**bad)
+
+
+# -- measured step costs (load_policy "measured", the default) ---------------------------------------------------
+
+def _costs(step_s: dict[int, float], draft_s: float = 0.0):
+    from vllm_entmtp.step_costs import StepCosts
+
+    c = StepCosts()
+    for rows, t in step_s.items():
+        for _ in range(3):
+            c.record_rows(rows, t)
+    if draft_s:
+        c.record_draft(1, draft_s)
+    return c
+
+
+def test_measured_costs_keep_trees_where_rows_are_cheap_and_drop_them_where_they_are_not():
+    """One request, rows almost free (a draft row costs 5 % of a step): every confident or unsure request drafts
+    its tree. Sixteen requests, a draft row costing 90 % of a plain token's share of the step: only what pays
+    stays, and with nothing expected to pay the heads are skipped (drafting_pays)."""
+    s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
+    assert s.measured and s.node_budget(16) is None  # no cap: the costs decide
+    cheap = _costs({1: 0.020, 5: 0.024}, draft_s=0.002)
+    assert ids(s.choose(["a"], [conf(0.9)], None, cheap)) == ["big"]
+    assert ids(s.choose(["b"], [conf(0.5)], None, cheap)) == ["small"]
+    assert ids(s.choose(["c"], [conf(0.1)], None, cheap)) == [None]  # bin 3: 0.05 tokens do not pay 1 ms
+    assert s.drafting_pays(1, cheap)
+    # 16 rows take 48 ms (3 ms a token); each more row 1.5 ms, drafting 1 ms
+    dear = _costs({16: 0.048, 32: 0.048 + 16 * 0.0015}, draft_s=0.001)
+    rids = [f"r{i}" for i in range(16)]
+    out = ids(s.choose(rids, [conf(0.9)] * 8 + [conf(0.35)] * 8, None, dear))
+    # confident: small (0.7 tokens for 1.5 ms) beats the step's 1 per 3 ms, big's 3 more rows (0.8 tokens for
+    # 4.5 ms) do not; unsure: 0.12 tokens for 1.5 ms do not
+    assert out == ["small"] * 8 + [None] * 8
+    assert s.drafting_pays(16, dear)
+    dearer = _costs({16: 0.048, 32: 0.048 + 16 * 0.006}, draft_s=0.004)  # a row dearer than a token
+    assert ids(s.choose(rids, [conf(0.9)] * 16, None, dearer)) == [None] * 16
+    assert not s.drafting_pays(16, dearer) and s.stats.not_paying == 1
+
+
+def test_measured_costs_fall_back_to_the_cap_until_measured():
+    """Before two row counts are measured the rule cannot price a draft: the cap of 32 verified rows applies."""
+    s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
+    rids = [f"r{i}" for i in range(16)]
+    out = s.choose(rids, [conf(0.9)] * 16, None, _costs({16: 0.05}))
+    assert sum(t.num_nodes for _, t in out if t is not None) <= 32 - 16
+    assert s.drafting_pays(16, _costs({16: 0.05}))  # unknown: do not skip the heads
+    given = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0, max_verify_tokens_per_step=20)
+    assert given.node_budget(16) == 4  # a cap the user gives applies after the measured rule
+
+
+def test_step_costs_interpolate_extrapolate_and_probe():
+    from vllm_entmtp.step_costs import PROBE_EVERY, StepCosts
+
+    c = StepCosts()
+    assert c.rows_time(4) is None and c.draft_time(4) == 0.0
+    assert c.needs_probe(4)  # nothing measured
+    c.record_rows(4, 0.010)
+    assert c.rows_time(4) == 0.010 and c.rows_time(8) is None  # one point: nothing to interpolate from
+    for t in (0.030, 0.020, 0.020):
+        c.record_rows(8, t)
+    assert c.rows_time(8) == pytest.approx(0.020)  # the median
+    assert c.rows_time(6) == pytest.approx(0.015)  # between 4 and 8
+    # beyond 8: the last segment's slope (2.5 ms a row) or the mean (2.5 ms a row), whichever is steeper
+    assert c.rows_time(12) == pytest.approx(0.030)
+    assert c.rows_time(2) == pytest.approx(0.005)
+    assert not c.needs_probe(6)  # between measured row counts: no probe
+    assert c.needs_probe(16)  # beyond them: probe
+    assert not any(c.needs_probe(8) for _ in range(PROBE_EVERY - 1))
+    assert c.needs_probe(8)  # a measured batch size is measured again now and then
+    c.record_draft(2, 0.002)
+    assert c.draft_time(1) == c.draft_time(8) == 0.002  # the nearest measured batch size
+    assert c.summary()["rows_ms"] == {4: 10.0, 8: 20.0} and c.summary()["probes"] == 3

@@ -86,19 +86,22 @@ class EntMTPConfig(BaseModel):
                     "aggressive tree of the ladder) before its signal is trusted.")
     max_verify_tokens_per_step: StrictInt | None = Field(
         default=None, ge=1,
-        description="Load cap for 'entropy' and 'confidence': draft nodes plus one root per request, summed "
-                    "over the batch, per step. When the chosen trees exceed it, requests step down to smaller "
-                    "trees (largest first), down to no drafting. None: 32 (on the project's 2-core CPU a step's "
-                    "time is nearly flat up to about 32 verified rows and steep beyond).")
-    load_policy: Literal["cap", "cost"] = Field(
-        default="cap",
-        description="How 'entropy' and 'confidence' fit a batch's trees to the load. 'cap': "
-                    "max_verify_tokens_per_step only. 'cost' (experimental): first keep a request's tree only "
-                    "while its expected accepted draft tokens (the tree set's build-trees statistics for the "
-                    "request's signal) pay for its measured one-request cost at this batch size, stepping requests "
-                    "down to smaller trees or no drafting otherwise, then the cap; it overestimates drafting's "
-                    "cost at larger batches when the set is calibrated at one request (docs/options.md). A tree "
-                    "set without build-trees metadata gets the cap only.")
+        description="A cap for 'entropy' and 'confidence': draft nodes plus one root per request, summed over the "
+                    "batch, per step. When the chosen trees exceed it, requests step down to smaller trees "
+                    "(largest first), down to no drafting. None: no cap under load_policy 'measured' (its "
+                    "measured costs decide; 32 until they are measured for the batch size), 32 under 'cap' and "
+                    "'cost'.")
+    load_policy: Literal["measured", "cap", "cost"] = Field(
+        default="measured",
+        description="How 'entropy' and 'confidence' fit a batch's trees to the load. 'measured' (default): the "
+                    "plugin measures, on the running engine, the time of decode steps by the rows they verify "
+                    "and the time of drafting, and keeps a request's tree only while its expected accepted draft "
+                    "tokens (the tree set's build-trees statistics for the request's signal) per second of extra "
+                    "step time beat the step's tokens per second, down to no drafting, and then skips the heads "
+                    "(one step without drafts per batch size now and then measures the plain step; "
+                    "docs/options.md). 'cap': max_verify_tokens_per_step only. 'cost' (experimental): a model "
+                    "of one-request costs from the tree set's calibration, then the cap. A tree set without "
+                    "build-trees metadata gets the cap only.")
     decode_row_cost: float | None = Field(
         default=None, ge=0.0, le=1.0, allow_inf_nan=False,
         description="load_policy 'cost': the time one more request's decode row adds to a step, as a fraction "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 from vllm.v1.spec_decode.medusa import MedusaProposer
@@ -29,6 +30,7 @@ from vllm_entmtp.metrics import Publisher
 from vllm_entmtp.proposer import make_drafter
 from vllm_entmtp.request_options import NO_TREE, REQUEST_DRAFT_TOKENS_KEY, REQUEST_TREE_KEY, drafts_nothing
 from vllm_entmtp.stats import STEP_TIMES_ENV, StepTimer, TreeStats
+from vllm_entmtp.step_costs import StepCosts
 from vllm_entmtp.step import STEP, Draft, fault, is_greedy, last_accepted_rows, prefix_layer_hidden
 from vllm_entmtp.trees import Tree
 
@@ -90,6 +92,7 @@ class EntMTPProposer(MedusaProposer):
 
         self.recorder = recorder_from_env()  # self-distillation data for train-heads (training/record.py)
         self.scheduler = self.tracker = None
+        self.step_costs: StepCosts | None = None  # load_policy "measured"
         if spec.entmtp.policy != "static":
             from vllm_entmtp.entropy import EntropyTracker
             from vllm_entmtp.scheduler import TreeScheduler, calibration_mismatches
@@ -108,7 +111,12 @@ class EntMTPProposer(MedusaProposer):
                                "; ".join(off))
             self.scheduler = TreeScheduler.from_config(spec.entmtp, tree_set)
             self.tracker = EntropyTracker.from_config(spec.entmtp)
-            if self.scheduler.cost_model:
+            if self.scheduler.measured:
+                self.step_costs = StepCosts()
+                logger.info("entmtp: load: step costs measured on this engine decide the drafts per batch size "
+                            "(load_policy 'measured'%s)", "" if self.scheduler.max_verify_tokens_per_step is None
+                            else f", then max_verify_tokens_per_step {self.scheduler.max_verify_tokens_per_step}")
+            elif self.scheduler.cost_model:
                 logger.info("entmtp: load: cost model (decode_row_cost %.3f), then max_verify_tokens_per_step",
                             self.scheduler.decode_row_cost)
             else:
@@ -270,9 +278,17 @@ class EntMTPProposer(MedusaProposer):
         return drafts
 
     def _propose_scheduled(self, hidden, bonus, req_ids, budgets, active):
-        """EntMTP: update each request's signals, let the scheduler pick its tree, draft it."""
+        """EntMTP: update each request's signals, let the scheduler pick its tree, draft it. Under the measured
+        load policy, a step that probes the plain step's cost, or in which no draft can pay at this batch size,
+        drafts nothing and runs no head (unless a request holds itself to a tree)."""
         top1 = state = None
-        if self.scheduler.policy == "confidence" or self.drafter.confidence_is_free:
+        forced = [self._forced_tree(rid) for rid in req_ids]
+        costs = self.step_costs
+        skip = (costs is not None and all(f is None for f in forced)
+                and (costs.needs_probe(len(req_ids)) or not self.scheduler.drafting_pays(len(req_ids), costs)))
+        if skip:
+            pass
+        elif self.scheduler.policy == "confidence" or self.drafter.confidence_is_free:
             k = self.spec_config.entmtp.confidence_heads  # the path confidence's heads
             if self.drafter.confidence_is_free:
                 top1, state = self.drafter.confidence(hidden, bonus)
@@ -289,13 +305,15 @@ class EntMTPProposer(MedusaProposer):
             prev = self._drafted_at.pop(rid, None)
             if prev is not None and acc is not None:
                 self.tree_stats.record_signal(prev[0], prev[1], acc, prev[2])
+        if skip:
+            self._choice_signals = [(None, None)] * len(req_ids)
+            return [("", None)] * len(req_ids), [[] for _ in req_ids]
         signals = self.tracker.signals_batch(req_ids)
-        choices = self.scheduler.choose(req_ids, signals, self.scheduler.node_budget(len(req_ids)))
-        forced_at = [False] * len(req_ids)
-        for i, rid in enumerate(req_ids):
-            forced = self._forced_tree(rid)
-            if forced is not None:
-                choices[i], forced_at[i] = forced, True
+        choices = self.scheduler.choose(req_ids, signals, self.scheduler.node_budget(len(req_ids)), costs)
+        forced_at = [f is not None for f in forced]
+        for i, f in enumerate(forced):
+            if f is not None:
+                choices[i] = f
         self._choice_signals = [(sg.entropy_ema, sg.confidence if top1 is not None else None) for sg in signals]
         chosen = [self._tree_for(r, b, c) for r, b, c in zip(req_ids, budgets, choices)]
         # the schedule's chain_stop cuts the chains it chose (not those a request fixed with REQUEST_TREE_KEY)
@@ -308,6 +326,7 @@ class EntMTPProposer(MedusaProposer):
         """vLLM's ``propose_draft_token_ids`` for entmtp: the heads read each request's hidden state at its last
         *accepted* row (for Hydra++ prefix-mlp heads: the prefix layer's output there, after its per-request
         cache took the step's committed tokens), and the token the target chose after it."""
+        t0 = time.perf_counter()
         n = len(sampled_token_ids)
         if sample_hidden_states.shape[0] == n:
             hidden = sample_hidden_states
@@ -322,7 +341,11 @@ class EntMTPProposer(MedusaProposer):
             self.recorder.add(list(self.runner.input_batch.req_ids[:n]), hidden, sampled_token_ids)
         if self.prefix_cache is not None:  # Hydra++: the heads read the prefix layer's output
             hidden = prefix_layer_hidden(self.runner, hidden_states, sampled_token_ids, spec_decode_metadata)
-        return self.propose(scheduler_output.num_spec_tokens_to_schedule, hidden, None, active=active, bonus=bonus)
+        drafts = self.propose(scheduler_output.num_spec_tokens_to_schedule, hidden, None, active=active,
+                              bonus=bonus)
+        if self.step_costs is not None and any(drafts):
+            self.step_costs.record_draft(n, time.perf_counter() - t0)
+        return drafts
 
     def free_missing(self, live_req_ids) -> None:
         """Drop the state of every request vLLM no longer holds (finished, aborted). Called each step, as a

@@ -139,7 +139,7 @@ class MTPDrafter:
             path_conf = torch.cumprod(top_p, dim=0).t().tolist()  # [B][k]
             for i, t in enumerate(trees):
                 th, min_nodes = stops[i]
-                if t is not None and th > 0.0 and t.num_nodes == t.depth:  # a chain
+                if t is not None and th > 0.0 and t.is_chain:
                     confident = 0  # leading heads at or above the threshold
                     while confident < len(path_conf[i]) and path_conf[i][confident] >= th:
                         confident += 1
@@ -215,13 +215,17 @@ class HydraDrafter:
     def num_heads(self) -> int:
         return self.heads.num_heads
 
-    def _level(self, k: int, hidden: torch.Tensor, path_ids: torch.Tensor, topk: int
-               ) -> tuple[list[list[int]], list[float]]:
+    def _level(self, k: int, hidden: torch.Tensor, path_ids: torch.Tensor, topk: int, probs: bool = True
+               ) -> tuple[list[list[int]], list[float] | None]:
         """Head ``k`` on ``N`` paths: ``hidden [N, H]``, ``path_ids [N, k + 1]`` (bonus token first) ->
-        (``N`` lists of the top-``topk`` token ids, ``N`` top-1 probabilities)."""
+        (``N`` lists of the top-``topk`` token ids, ``N`` top-1 probabilities, or None when not ``probs``: the
+        softmax over the draft vocabulary is skipped where nothing reads it)."""
         n = path_ids.shape[0]
         emb = self.embed(path_ids.reshape(-1)).view(n, path_ids.shape[1], -1).to(hidden.dtype)
-        logits = self._logits(k, self._hidden_states(k, hidden, emb)).float()
+        logits = self._logits(k, self._hidden_states(k, hidden, emb))
+        if not probs:
+            return self.heads.to_token_ids(logits.topk(topk, dim=-1).indices).tolist(), None
+        logits = logits.float()
         vals, cols = logits.topk(topk, dim=-1)
         top1_p = torch.exp(vals[:, 0] - torch.logsumexp(logits, dim=-1))
         return self.heads.to_token_ids(cols).tolist(), top1_p.tolist()
@@ -297,14 +301,16 @@ class HydraDrafter:
             if todo:
                 rows = torch.tensor([i for i, _ in todo], device=hidden.device)
                 ids = torch.tensor([path_of[x] for x in todo], dtype=torch.long, device=hidden.device)
-                toks, p1 = self._level(d, hidden.index_select(0, rows), ids, k_top)
-                for x, tk, p in zip(todo, toks, p1):
+                # top-1 probabilities are read by the chain stop only
+                probs = any(stops[i][0] > 0.0 and trees[i].is_chain for i, _ in todo)
+                toks, p1 = self._level(d, hidden.index_select(0, rows), ids, k_top, probs)
+                for x, tk, p in zip(todo, toks, p1 if p1 is not None else [None] * len(todo)):
                     memo[(x[0], path_of[x])] = (tk, p)
             frontier = []
             for i, j in expand:
                 tk, p = memo[(i, path_of[(i, j)])]
                 th, min_nodes = stops[i]
-                if th > 0.0 and self._is_chain(trees[i]):
+                if th > 0.0 and trees[i].is_chain:
                     conf[i] *= p
                     if conf[i] < th and d >= min_nodes:
                         cut[i] = d  # this head's token is not confident enough: stop before it
@@ -314,11 +320,7 @@ class HydraDrafter:
                     out[i][c - 1] = tok
                     path_of[(i, c)] = path_of[(i, j)] + (tok,)
                     frontier.append((i, c))
-        return [o[:cut[i]] if trees[i] is not None and self._is_chain(trees[i]) else o for i, o in enumerate(out)]
-
-    @staticmethod
-    def _is_chain(tree: Tree | None) -> bool:
-        return tree is not None and tree.num_nodes == tree.depth
+        return [o[:cut[i]] if trees[i] is not None and trees[i].is_chain else o for i, o in enumerate(out)]
 
     def propose_chains(self, hidden: torch.Tensor, bonus: torch.Tensor, budgets: Sequence[int]) -> list[list[int]]:
         """Chains of the heads' top-1 tokens, at most ``budgets[i]`` (capped at the number of heads) each."""

@@ -33,7 +33,18 @@ Warm-up: while a request has fewer than ``warmup_steps`` signal updates, or its 
 drafts the default tree (``default_tree_id``, else the ladder's bin 0); its first decision after warm-up is
 the plain mapping (no hysteresis, as it holds no bin yet).
 
-Load, two rules applied in this order (the bin a request's signal holds is never changed by either):
+Load (the bin a request's signal holds is never changed by any of these):
+
+0. **Measured costs** (``load_policy="measured"``, the default, for sets built by ``vllm-entmtp build-trees``):
+   :meth:`TreeScheduler.choose` with ``costs`` (:class:`~vllm_entmtp.step_costs.StepCosts`, measured on the
+   running engine: a decode step's row-bound time by the rows it verifies, drafting time by batch size) steps
+   requests down the ladder, the one giving up the fewest expected accepted tokens per second of step time saved
+   first, while that gives up fewer than the step's tokens per second; then, if a step without drafts is faster
+   per token, nobody drafts. :meth:`TreeScheduler.drafting_pays` tells the drafter before it runs the heads
+   whether any draft could pay at this batch size. Until the costs for a batch size are measured, the cap
+   (rule 2, with its default of 32) applies instead; a cap the user gives applies after this rule.
+
+The two older rules, applied in this order:
 
 1. **Cost model** (``load_policy="cost"``, opt-in, for sets built by ``vllm-entmtp build-trees``; not for
    ``"static"``): keep the trees that raise the step's expected tokens per unit of time. Every tree of such a set
@@ -70,10 +81,11 @@ from typing import Any
 
 from vllm_entmtp.entropy import Signals, drop_missing
 from vllm_entmtp.errors import EntMTPError
+from vllm_entmtp.step_costs import StepCosts
 from vllm_entmtp.trees import NO_DRAFT_ID, Tree, TreeSet
 
 POLICIES = ("static", "entropy", "confidence")
-LOAD_POLICIES = ("cap", "cost")
+LOAD_POLICIES = ("measured", "cap", "cost")
 DEFAULT_DECODE_ROW_COST = 0.067
 """What one more request's decode row adds to a step, in one-request plain steps, when the tree set does not say:
 the slope of plain decoding's time per output token over 1, 4 and 16 requests in flight in the compiled servers of
@@ -112,7 +124,9 @@ class SchedulerStats:
     warmup: int = 0             # of which in warm-up (or without a signal yet): default tree
     switches: int = 0           # a request's signal moved it to another bin
     held_by_hysteresis: int = 0  # the plain mapping said another bin, the margin kept the request where it was
-    cost_stepdowns: int = 0     # single-bin steps down by the cost model (load_policy "cost")
+    cost_stepdowns: int = 0     # single-bin steps down by the cost model (load_policy "cost" or "measured")
+    probes: int = 0             # steps without drafts to measure a plain step of that batch ("measured")
+    not_paying: int = 0         # steps without drafts because no draft could pay at that batch ("measured")
     budget_stepdowns: int = 0   # single-bin steps down to fit the node budget
     no_draft: int = 0           # request-steps left without a tree by the cost model or the budget
 
@@ -133,9 +147,11 @@ class TreeScheduler:
             ``"static"`` the set's largest tree (the static policy's tree).
         max_verify_tokens_per_step: for :meth:`node_budget` (None: 32).
         entropy_range: the fallback ladder's entropy range in nats (unused with a schedule).
-        load_policy: ``"cap"`` (the cap only) or ``"cost"`` (the module's cost model, then the cap). The cost
-            model needs a set whose ladder trees carry ``build-trees`` metadata for this policy's signal;
-            otherwise only the cap applies and :attr:`cost_model_missing` says why.
+        load_policy: ``"measured"`` (step costs measured on the running engine, :meth:`choose` with ``costs``;
+            no cap unless ``max_verify_tokens_per_step`` is given), ``"cap"`` (the cap only) or ``"cost"`` (the
+            module's cost model, then the cap). ``"measured"`` and ``"cost"`` need a set whose ladder trees carry
+            ``build-trees`` metadata for this policy's signal; otherwise only the cap applies and
+            :attr:`cost_model_missing` says why.
         decode_row_cost: ``d`` of the cost model, in one-request plain steps per request; None: the tree set's
             calibration ``cost.decode_row_cost`` when it has one, else :data:`DEFAULT_DECODE_ROW_COST`.
 
@@ -148,7 +164,7 @@ class TreeScheduler:
                  warmup_steps: int = 2, default_tree_id: str | None = None,
                  max_verify_tokens_per_step: int | None = None,
                  entropy_range: tuple[float, float] = DEFAULT_ENTROPY_RANGE,
-                 load_policy: str = "cap", decode_row_cost: float | None = None):
+                 load_policy: str = "measured", decode_row_cost: float | None = None):
         if policy not in POLICIES:
             raise SchedulerError(f"unknown policy {policy!r}; allowed: {', '.join(POLICIES)}")
         if load_policy not in LOAD_POLICIES:
@@ -212,8 +228,8 @@ class TreeScheduler:
         self._cal_edges: list[float] = []
         self._acc: list[list[float]] = []    # per ladder bin: expected accepted draft tokens per calibration bin
         self._extra: list[float] = []        # per ladder bin: step cost above a plain step (plain steps)
-        if load_policy == "cost":
-            self.cost_model_missing = self._init_cost_model()
+        if load_policy in ("cost", "measured"):
+            self.cost_model_missing = self._init_cost_model(need_costs=load_policy == "cost")
         if decode_row_cost is None:
             decode_row_cost = self._calibrated_decode_row_cost()
         if not (isinstance(decode_row_cost, (int, float)) and not isinstance(decode_row_cost, bool)
@@ -227,12 +243,19 @@ class TreeScheduler:
         with the metadata it needs)."""
         return self.load_policy == "cost" and self.policy != "static" and self.cost_model_missing is None
 
+    @property
+    def measured(self) -> bool:
+        """Whether :meth:`choose` fits the batch to measured step costs (load policy ``"measured"``, a non-static
+        policy, and a set with expected accepted tokens per calibration bin)."""
+        return self.load_policy == "measured" and self.policy != "static" and self.cost_model_missing is None
+
     def _calibrated_decode_row_cost(self) -> float:
         d = calibration_of(self.tree_set).get("cost", {}).get("decode_row_cost")
         return DEFAULT_DECODE_ROW_COST if d is None else d
 
-    def _init_cost_model(self) -> str | None:
-        """Fill the cost model's tables from the tree set's metadata; return why it cannot apply (None: it can)."""
+    def _init_cost_model(self, need_costs: bool = True) -> str | None:
+        """Fill the cost model's tables from the tree set's metadata; return why it cannot apply (None: it can).
+        ``need_costs``: the one-request costs (``metadata.cost.total``) are required (load policy ``"cost"``)."""
         if self.policy == "static":
             return "the static policy drafts one tree for everyone"
         cal = calibration_of(self.tree_set)
@@ -250,11 +273,12 @@ class TreeScheduler:
             meta = self.tree_set.metadata.get(tid, {})
             per_bin = meta.get("expected_accepted_per_bin")
             total = meta.get("cost", {}).get("total") if isinstance(meta.get("cost"), dict) else None
-            if not isinstance(per_bin, list) or len(per_bin) != nbins or not isinstance(total, (int, float)):
+            if not isinstance(per_bin, list) or len(per_bin) != nbins \
+                    or (need_costs and not isinstance(total, (int, float))):
                 return (f"tree {tid!r} of tree set {self.tree_set.source} lacks metadata.expected_accepted_per_bin "
-                        f"({nbins} bins) or metadata.cost.total")
+                        f"({nbins} bins)" + (" or metadata.cost.total" if need_costs else ""))
             acc.append([float(a) for a in per_bin])
-            extra.append(max(0.0, float(total) - 1.0))
+            extra.append(max(0.0, float(total) - 1.0) if isinstance(total, (int, float)) else 0.0)
         self._cal_edges, self._acc, self._extra = edges, acc, extra
         return None
 
@@ -284,9 +308,90 @@ class TreeScheduler:
 
     # -- per step -------------------------------------------------------------------------------------------------
 
-    def node_budget(self, batch_size: int) -> int:
-        """:func:`node_budget` with this scheduler's ``max_verify_tokens_per_step``."""
+    def node_budget(self, batch_size: int) -> int | None:
+        """:func:`node_budget` with this scheduler's ``max_verify_tokens_per_step``; None (no cap) under the
+        ``"measured"`` load policy unless ``max_verify_tokens_per_step`` was given."""
+        if self.measured and self.max_verify_tokens_per_step is None:
+            return None
         return node_budget(batch_size, self.max_verify_tokens_per_step)
+
+    # -- measured step costs (load policy "measured") ---------------------------------------------------------
+
+    def _curve(self, costs: StepCosts, batch_size: int, max_nodes: int) -> list[float] | None:
+        """Row-bound step time with ``n = 0 .. max_nodes`` draft nodes over ``batch_size`` roots (seconds)."""
+        out = [costs.rows_time(batch_size + n) for n in range(max_nodes + 1)]
+        return None if any(t is None for t in out) else out
+
+    def drafting_pays(self, batch_size: int, costs: StepCosts) -> bool:
+        """Whether any draft can raise this batch's tokens per second at the best acceptance the calibration
+        knows: ``k`` requests (any ``k``) drafting one tree of the ladder each at its best calibration bin's
+        expected accepted tokens, against a step without drafts, drafting time included. False: skip the heads
+        for this step. True when the costs are not measured enough to say."""
+        if not self.measured or batch_size < 1:
+            return True
+        k_max = max((n for n in self._nodes), default=0)
+        curve = self._curve(costs, batch_size, batch_size * k_max)
+        if curve is None:
+            return True
+        d = costs.draft_time(batch_size)
+        plain = batch_size / curve[0]
+        for b, n in enumerate(self._nodes):
+            if n == 0:
+                continue
+            a = max(self._acc[b])
+            for k in range(1, batch_size + 1):
+                if (batch_size + k * a) / (curve[k * n] + d) > plain:
+                    return True
+        self.stats.not_paying += 1
+        return False
+
+    def _fit_measured(self, bins: list[int], cal_bins: list[int | None], costs: StepCosts) -> bool:
+        """Step bins down in place while a step down gives up fewer expected tokens per second saved than the
+        step's tokens per second, on measured step costs (:class:`~vllm_entmtp.step_costs.StepCosts`); then, if
+        a step without drafts is faster per token still, no request drafts. False (nothing changed) when the
+        costs are not measured enough for this batch size."""
+        k, b_size = len(self.ladder), len(bins)
+        nodes = [self._nodes[b] if b < k else 0 for b in bins]
+        curve = self._curve(costs, b_size, sum(nodes))
+        if curve is None:
+            return False
+        d = costs.draft_time(b_size)
+        acc = [self.expected_accepted(b, c) for b, c in zip(bins, cal_bins)]
+        total = sum(nodes)
+
+        def time_of(n: int) -> float:
+            return curve[n] + (d if n > 0 else 0.0)
+
+        tokens = b_size + sum(acc)
+        while total > 0:
+            best = None
+            for i, b in enumerate(bins):
+                if b >= k or nodes[i] == 0:
+                    continue
+                nb = b + 1
+                n_new = self._nodes[nb] if nb < k else 0
+                a_new = self.expected_accepted(nb, cal_bins[i]) if nb < k else 0.0
+                d_t = time_of(total) - time_of(total - nodes[i] + n_new)
+                if d_t <= 0:
+                    continue
+                ratio = (acc[i] - a_new) / d_t
+                if best is None or ratio < best[0] or (ratio == best[0] and i > best[1]):
+                    best = (ratio, i, nb, n_new, a_new)
+            if best is None or best[0] >= tokens / time_of(total):
+                break
+            _, i, nb, n_new, a_new = best
+            total += n_new - nodes[i]
+            tokens += a_new - acc[i]
+            bins[i], nodes[i], acc[i] = nb, n_new, a_new
+            self.stats.cost_stepdowns += 1
+            if nb >= k or self.ladder[nb] is None:
+                self.stats.no_draft += 1
+        if total > 0 and b_size / time_of(0) >= tokens / time_of(total):
+            for i, b in enumerate(bins):
+                if b < k and nodes[i] > 0:
+                    bins[i] = k
+                    self.stats.no_draft += 1
+        return True
 
     def signal_value(self, signals: Signals) -> float | None:
         """The policy's signal: the entropy EMA, or the path confidence (None for ``"static"``)."""
@@ -327,7 +432,8 @@ class TreeScheduler:
         return new
 
     def choose(self, req_ids: Sequence[str], signals: Sequence[Signals],
-               budget_nodes: int | None = None) -> list[tuple[str | None, Tree | None]]:
+               budget_nodes: int | None = None, costs: StepCosts | None = None
+               ) -> list[tuple[str | None, Tree | None]]:
         """Each request's ``(tree id, tree)`` for this step, or ``(None, None)``: no drafting.
 
         Args:
@@ -337,7 +443,9 @@ class TreeScheduler:
                 no limit. When the chosen trees exceed it, the request with the largest tree steps down one bin
                 (ties: the later one in ``req_ids``), repeatedly, the last bin stepping to no drafting.
 
-        The cost model (:attr:`cost_model`; module docstring) applies first, for the batch ``req_ids``.
+        The cost model (:attr:`cost_model`; module docstring) applies first, for the batch ``req_ids``; under
+        the ``"measured"`` load policy, :meth:`_fit_measured` on ``costs`` instead (where ``costs`` has not
+        measured this batch size yet, the cap :data:`DEFAULT_MAX_VERIFY_TOKENS` applies in its place).
 
         Raises:
             ValueError: as many signals as request ids are needed; ``budget_nodes`` must be an int >= 0 or None.
@@ -350,6 +458,11 @@ class TreeScheduler:
         bins = [self._decide(r, s) for r, s in zip(req_ids, signals)]
         if self.cost_model and bins:
             self._fit_cost(bins, [self.calibration_bin(self.signal_value(s)) for s in signals])
+        if self.measured and bins:
+            fitted = costs is not None and self._fit_measured(
+                bins, [self.calibration_bin(self.signal_value(s)) for s in signals], costs)
+            if not fitted and budget_nodes is None:
+                budget_nodes = node_budget(len(bins), DEFAULT_MAX_VERIFY_TOKENS)
         if budget_nodes is not None:
             self._fit(bins, budget_nodes)
         k = len(self.ladder)

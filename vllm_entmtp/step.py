@@ -22,6 +22,7 @@ drafting step leaves the batch without draft tokens for the step. Each is logged
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -128,6 +129,10 @@ class SpecStep:
     paths: dict[int, list[int]] = field(default_factory=dict)  # tree requests: accepted nodes (1-based)
     # (entropy per request or None, accepted draft tokens per request) of this step, for the tracker
     signals: tuple = (None, None)
+    # a decode step (no prompt tokens): its rows, and when its row-bound part (forward, logits, sampling,
+    # verification) started, for the measured step costs (0: not a decode step)
+    decode_rows: int = 0
+    rows_clock: float = 0.0
 
     def reset(self, rows: dict[int, TreeRows], fallback: set[int] | None = None) -> None:
         self.rows = rows
@@ -138,6 +143,7 @@ class SpecStep:
         self.last_rows = {}
         self.paths = {}
         self.signals = (None, None)
+        self.decode_rows = 0
         if rows:
             self.row_lo = min(r.q0 for r in rows.values())
             self.row_hi = max(r.q0 + r.num_rows for r in rows.values())
@@ -197,6 +203,11 @@ def begin_step(runner, scheduler_output) -> None:
             if tr is not None:
                 rows[b] = tr
     STEP.reset(rows, fallback)
+    if drafter.step_costs is not None:
+        total = scheduler_output.total_num_scheduled_tokens
+        drafts = sum(len(v) for v in scheduler_output.scheduled_spec_decode_tokens.values())
+        if total == len(scheduler_output.num_scheduled_tokens) + drafts:
+            STEP.decode_rows, STEP.rows_clock = total, time.perf_counter()
 
 
 def _tree_rows(runner, b: int, draft: Draft, sched, q0: int) -> TreeRows | None:
@@ -230,6 +241,8 @@ def verify(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output, e
         except Exception as e:  # noqa: BLE001 - the scheduler sees no new signals this step
             fault(runner.drafter, "signals", list(runner.input_batch.req_ids), e)
             STEP.signals = (None, None)
+    if STEP.decode_rows and runner.drafter.step_costs is not None:
+        runner.drafter.step_costs.record_rows(STEP.decode_rows, time.perf_counter() - STEP.rows_clock)
 
 
 def _walk(tr: TreeRows, rows: torch.Tensor, sp, generator) -> tuple[list[int], int]:

@@ -1,0 +1,114 @@
+"""Step costs measured on the running engine, for the load rule (engine-independent; no vLLM import).
+
+What a draft token costs depends on the machine and the batch: on a 2-core Xeon with AVX-512 BF16 (2026-12-01,
+``benchmarks/step_profile.py``, bfloat16) the target's forward over 1 row took 18.8 ms and over 2.6 rows 20.2 ms,
+so at one request a draft row cost 0.9 ms, a twentieth of a step; over 16 rows it took 43 ms and over 32 rows
+86 ms, so at 16 requests a draft row cost 2.7 ms, most of a plain token's 3.3 ms. A fixed cap on the rows per
+step cannot be right on both machines and both loads; measured costs can.
+
+:class:`StepCosts` keeps, per number of rows ``R`` a decode step verified, the recent times of the step's part
+that grows with its rows (the forward, the logits, sampling and verification), and per batch size the recent times
+of drafting. :meth:`StepCosts.rows_time` interpolates between measured row counts (piecewise linear; beyond the
+largest, the steeper of the last segment's slope and the mean slope). The scheduler
+(:meth:`~vllm_entmtp.scheduler.TreeScheduler.choose` with ``costs``) keeps a request's draft only while its
+expected accepted tokens per second of extra step time beat the step's own tokens per second.
+
+Where a batch size's plain step is neither measured (a step without draft tokens at that many rows) nor
+between two measured row counts, the drafter makes a *probe*: one step of that batch without drafts
+(:meth:`StepCosts.needs_probe`); a measured batch size is probed again every :data:`PROBE_EVERY` of its steps, so
+that the costs follow the contexts as they grow. Rows beyond the largest measured count are extrapolated, not
+explored: where that is pessimistic the rule drafts less than it could, never more.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+#: Observations kept per row count (and per batch size for drafting); the median of these is used.
+WINDOW = 16
+#: A batch size's no-draft time is measured again after this many of its steps.
+PROBE_EVERY = 64
+
+
+class StepCosts:
+    """Recent step times by rows verified and drafting times by batch size (seconds)."""
+
+    def __init__(self, window: int = WINDOW, probe_every: int = PROBE_EVERY):
+        self.window = window
+        self.probe_every = probe_every
+        self._rows: dict[int, deque] = {}
+        self._draft: dict[int, deque] = {}
+        self._since_probe: dict[int, int] = {}
+        self.probes = 0
+
+    # -- observations ---------------------------------------------------------------------------------------------
+
+    def record_rows(self, rows: int, seconds: float) -> None:
+        """A decode step (no prompt tokens) that verified ``rows`` rows (one root per request plus its draft
+        tokens) took ``seconds`` in its row-bound part."""
+        if rows >= 1 and seconds > 0:
+            self._rows.setdefault(rows, deque(maxlen=self.window)).append(seconds)
+
+    def record_draft(self, batch_size: int, seconds: float) -> None:
+        """Drafting for ``batch_size`` requests (signals, heads, scheduler) took ``seconds``."""
+        if batch_size >= 1 and seconds > 0:
+            self._draft.setdefault(batch_size, deque(maxlen=self.window)).append(seconds)
+
+    # -- probes ---------------------------------------------------------------------------------------------------
+
+    def needs_probe(self, batch_size: int) -> bool:
+        """Whether the next step of ``batch_size`` requests should draft nothing, to measure a plain step of that
+        many rows: none measured and none on both sides to interpolate from, or :attr:`probe_every` steps of
+        that batch size since its last measurement. Counts the step."""
+        if batch_size in self._rows:
+            n = self._since_probe.get(batch_size, 0) + 1
+            if n < self.probe_every:
+                self._since_probe[batch_size] = n
+                return False
+        elif any(r < batch_size for r in self._rows) and any(r > batch_size for r in self._rows):
+            return False
+        self._since_probe[batch_size] = 0
+        self.probes += 1
+        return True
+
+    # -- reads ----------------------------------------------------------------------------------------------------
+
+    def known_rows(self) -> list[int]:
+        return sorted(self._rows)
+
+    def rows_time(self, rows: int) -> float | None:
+        """The row-bound time of a decode step of ``rows`` rows (seconds): the median of its observations, else
+        interpolated between the nearest measured row counts; None with fewer than two measured row counts (one,
+        if ``rows`` is it)."""
+        if rows in self._rows:
+            return statistics.median(self._rows[rows])
+        known = self.known_rows()
+        if len(known) < 2:
+            return None
+        med = {r: statistics.median(self._rows[r]) for r in known}
+        lo = max((r for r in known if r < rows), default=None)
+        hi = min((r for r in known if r > rows), default=None)
+        if lo is not None and hi is not None:
+            return med[lo] + (med[hi] - med[lo]) * (rows - lo) / (hi - lo)
+        if hi is None:  # beyond the largest: extrapolate, no less steeply than on average
+            a, b = known[-2], known[-1]
+            slope = max((med[b] - med[a]) / (b - a), med[b] / b, 0.0)
+            return med[b] + slope * (rows - b)
+        a, b = known[0], known[1]  # below the smallest
+        slope = max((med[b] - med[a]) / (b - a), 0.0)
+        return max(med[a] - slope * (a - rows), 0.0)
+
+    def draft_time(self, batch_size: int) -> float:
+        """Drafting time for ``batch_size`` requests (seconds): the median at the nearest measured batch size
+        (it grows slowly with the batch: 2.2 ms for one request, 3.3 ms for sixteen on the machine above); 0
+        before any measurement."""
+        if not self._draft:
+            return 0.0
+        near = min(self._draft, key=lambda b: (abs(b - batch_size), -b))
+        return statistics.median(self._draft[near])
+
+    def summary(self) -> dict:
+        """For logs and tests: ``{"rows_ms": {R: median ms}, "draft_ms": {B: median ms}, "probes": n}``."""
+        return {"rows_ms": {r: round(1e3 * statistics.median(v), 3) for r, v in sorted(self._rows.items())},
+                "draft_ms": {b: round(1e3 * statistics.median(v), 3) for b, v in sorted(self._draft.items())},
+                "probes": self.probes}

@@ -415,3 +415,26 @@ def test_step_costs_interpolate_extrapolate_and_probe():
     c.record_draft(2, 0.002)
     assert c.draft_time(1) == c.draft_time(8) == 0.002  # the nearest measured batch size
     assert c.summary()["rows_ms"] == {4: 10.0, 8: 20.0} and c.summary()["probes"] == 3
+
+
+def test_measured_rule_learns_how_each_requests_drafts_fare():
+    """Two equally confident requests; one has accepted a fifth of what the calibration expected of its drafts:
+    at a load where a draft pays only at the calibrated acceptance, that one stops drafting and the other keeps
+    its tree. The record goes with the request."""
+    s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
+    costs = _costs({16: 0.048, 32: 0.048 + 16 * 0.0015}, draft_s=0.001)  # as in the test above: small pays
+    rids = [f"r{i}" for i in range(16)]
+    assert s.acceptance_ratio("r0") == 1.0
+    s.observe_acceptance("r0", 0.7, 0)
+    assert s.acceptance_ratio("r0") == 1.0  # one verified draft is not enough to judge
+    for _ in range(6):
+        s.observe_acceptance("r0", 0.7, 0)
+        s.observe_acceptance("r1", 0.7, 1)
+    assert s.acceptance_ratio("r0") == 0.2  # clipped below
+    assert s.acceptance_ratio("r1") == pytest.approx(1 / 0.7)
+    out = ids(s.choose(rids, [conf(0.9)] * 16, None, costs))
+    assert out[0] is None and out[1] == "small" and out[2:] == ["small"] * 14
+    assert s.expected["r1"] == pytest.approx(0.7) and "r0" not in s.expected
+    assert "r0" in s.tracked_ids()
+    s.free_missing(rids[1:])
+    assert "r0" not in s.tracked_ids() and s.acceptance_ratio("r0") == 1.0

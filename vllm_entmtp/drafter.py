@@ -78,7 +78,8 @@ class EntMTPProposer(MedusaProposer):
             self.prefix_cache = PrefixKVCache(heads)
         self.pending: dict[str, Draft] = {}
         # request -> (tree id, entropy EMA, path confidence) of its last draft
-        self._drafted_at: dict[str, tuple[str, float | None, float | None]] = {}
+        # request -> (tree id, entropy EMA, path confidence, expected accepted or None) of its last draft
+        self._drafted_at: dict[str, tuple[str, float | None, float | None, float | None]] = {}
         self._warned: set[str] = set()
         self.faults_logged: set[str] = set()  # stages whose first fault was logged (fault())
         self.tree_stats = TreeStats()
@@ -272,8 +273,8 @@ class EntMTPProposer(MedusaProposer):
                 self.pending.pop(req_id, None)
         if self.scheduler is not None:  # the signal behind each draft; its acceptance comes next step
             for req_id, (tree_id, _), toks, (ent, conf) in zip(req_ids, chosen, drafts, self._choice_signals):
-                if toks and (ent is not None or conf is not None):
-                    self._drafted_at[req_id] = (tree_id, ent, conf)
+                if toks:
+                    self._drafted_at[req_id] = (tree_id, ent, conf, self.scheduler.expected.get(req_id))
         self.publisher.mark()  # for /metrics, written off the step's path (vllm_entmtp.metrics.Publisher)
         return drafts
 
@@ -305,6 +306,8 @@ class EntMTPProposer(MedusaProposer):
             prev = self._drafted_at.pop(rid, None)
             if prev is not None and acc is not None:
                 self.tree_stats.record_signal(prev[0], prev[1], acc, prev[2])
+                if prev[3] is not None:  # the measured load rule learns how this request's drafts fare
+                    self.scheduler.observe_acceptance(rid, prev[3], acc)
         if skip:
             self._choice_signals = [(None, None)] * len(req_ids)
             return [("", None)] * len(req_ids), [[] for _ in req_ids]

@@ -93,6 +93,10 @@ the slope of plain decoding's time per output token over 1, 4 and 16 requests in
 DEFAULT_MAX_VERIFY_TOKENS = 32
 """Default cap on the tokens verified per step (draft nodes + one root per request), see :func:`node_budget`."""
 DEFAULT_HYSTERESIS = 0.05
+ACCEPTANCE_WINDOW = 8
+"""Window (steps that drafted) of a request's EMAs of accepted and expected accepted draft tokens."""
+ACCEPTANCE_MIN_STEPS = 2
+ACCEPTANCE_RATIO_RANGE = (0.2, 3.0)
 DEFAULT_ENTROPY_RANGE = (0.0, 1.2)
 """Entropy range (nats) over which the fallback ladder spaces its thresholds."""
 
@@ -222,6 +226,10 @@ class TreeScheduler:
         self._default_bin = ids.index(default_tree_id)
 
         self._bins: dict[str, int] = {}
+        # "measured": per request, EMAs of its accepted and its expected accepted draft tokens, and the expected
+        # accepted tokens of the draft chosen for it this step
+        self._acc_obs: dict[str, list[float]] = {}
+        self.expected: dict[str, float] = {}
         self.stats = SchedulerStats()
         self.load_policy = load_policy
         self.cost_model_missing: str | None = None
@@ -319,8 +327,7 @@ class TreeScheduler:
 
     def _curve(self, costs: StepCosts, batch_size: int, max_nodes: int) -> list[float] | None:
         """Row-bound step time with ``n = 0 .. max_nodes`` draft nodes over ``batch_size`` roots (seconds)."""
-        out = [costs.rows_time(batch_size + n) for n in range(max_nodes + 1)]
-        return None if any(t is None for t in out) else out
+        return costs.curve(batch_size, max_nodes)
 
     def drafting_pays(self, batch_size: int, costs: StepCosts) -> bool:
         """Whether any draft can raise this batch's tokens per second at the best acceptance the calibration
@@ -345,7 +352,28 @@ class TreeScheduler:
         self.stats.not_paying += 1
         return False
 
-    def _fit_measured(self, bins: list[int], cal_bins: list[int | None], costs: StepCosts) -> bool:
+    def acceptance_ratio(self, req_id: str) -> float:
+        """What a request accepted over what the calibration expected of its drafts (EMAs over about
+        :data:`ACCEPTANCE_WINDOW` drafting steps, clipped to :data:`ACCEPTANCE_RATIO_RANGE`); 1 before
+        :data:`ACCEPTANCE_MIN_STEPS` of its drafts were verified. The measured rule scales the calibration's
+        expectations by it: text the heads predict worse than the calibration prompts drafts less."""
+        st = self._acc_obs.get(req_id)
+        if st is None or st[2] < ACCEPTANCE_MIN_STEPS or st[1] <= 0:
+            return 1.0
+        lo, hi = ACCEPTANCE_RATIO_RANGE
+        return min(max(st[0] / st[1], lo), hi)
+
+    def observe_acceptance(self, req_id: str, expected: float, accepted: int) -> None:
+        """A verified draft of ``req_id``: ``expected`` accepted draft tokens (:attr:`expected` when it was
+        chosen), ``accepted`` of them accepted (bonus excluded)."""
+        st = self._acc_obs.setdefault(req_id, [0.0, 0.0, 0])
+        b = 1.0 - 1.0 / ACCEPTANCE_WINDOW
+        st[0] = b * st[0] + (1.0 - b) * float(accepted)
+        st[1] = b * st[1] + (1.0 - b) * float(expected)
+        st[2] += 1
+
+    def _fit_measured(self, bins: list[int], cal_bins: list[int | None], costs: StepCosts,
+                      scale: list[float] | None = None) -> bool:
         """Step bins down in place while a step down gives up fewer expected tokens per second saved than the
         step's tokens per second, on measured step costs (:class:`~vllm_entmtp.step_costs.StepCosts`); then, if
         a step without drafts is faster per token still, no request drafts. False (nothing changed) when the
@@ -356,7 +384,8 @@ class TreeScheduler:
         if curve is None:
             return False
         d = costs.draft_time(b_size)
-        acc = [self.expected_accepted(b, c) for b, c in zip(bins, cal_bins)]
+        scale = scale or [1.0] * b_size
+        acc = [self.expected_accepted(b, c) * f for b, c, f in zip(bins, cal_bins, scale)]
         total = sum(nodes)
 
         def time_of(n: int) -> float:
@@ -370,7 +399,7 @@ class TreeScheduler:
                     continue
                 nb = b + 1
                 n_new = self._nodes[nb] if nb < k else 0
-                a_new = self.expected_accepted(nb, cal_bins[i]) if nb < k else 0.0
+                a_new = self.expected_accepted(nb, cal_bins[i]) * scale[i] if nb < k else 0.0
                 d_t = time_of(total) - time_of(total - nodes[i] + n_new)
                 if d_t <= 0:
                     continue
@@ -459,13 +488,17 @@ class TreeScheduler:
         if self.cost_model and bins:
             self._fit_cost(bins, [self.calibration_bin(self.signal_value(s)) for s in signals])
         if self.measured and bins:
+            cal = [self.calibration_bin(self.signal_value(s)) for s in signals]
             fitted = costs is not None and self._fit_measured(
-                bins, [self.calibration_bin(self.signal_value(s)) for s in signals], costs)
+                bins, cal, costs, [self.acceptance_ratio(r) for r in req_ids])
             if not fitted and budget_nodes is None:
                 budget_nodes = node_budget(len(bins), DEFAULT_MAX_VERIFY_TOKENS)
         if budget_nodes is not None:
             self._fit(bins, budget_nodes)
         k = len(self.ladder)
+        if self.measured:
+            self.expected = {r: self.expected_accepted(b, c) for r, b, c in zip(req_ids, bins, cal)
+                             if b < k and self.ladder[b] is not None}
         return [(self.ladder_ids[b], self.ladder[b]) if b < k and self.ladder[b] is not None else (None, None)
                 for b in bins]
 
@@ -543,16 +576,21 @@ class TreeScheduler:
         return self._bins.get(req_id)
 
     def free(self, req_id: str) -> None:
-        """Drop the request's bin (no error when it has none)."""
+        """Drop the request's bin and acceptance record (no error when it has none)."""
         self._bins.pop(req_id, None)
+        self._acc_obs.pop(req_id, None)
+        self.expected.pop(req_id, None)
 
     def free_missing(self, active_ids: Iterable[str]) -> int:
-        """Drop the bins of requests not in ``active_ids``; return how many were dropped."""
+        """Drop the bins (and acceptance records) of requests not in ``active_ids``; return how many bins were
+        dropped."""
+        drop_missing(self._acc_obs, active_ids)
+        drop_missing(self.expected, active_ids)
         return drop_missing(self._bins, active_ids)
 
     def tracked_ids(self) -> set[str]:
-        """Ids of the requests the scheduler holds a bin for."""
-        return set(self._bins)
+        """Ids of the requests the scheduler holds a bin or an acceptance record for."""
+        return set(self._bins) | set(self._acc_obs)
 
     def __len__(self) -> int:
         return len(self._bins)

@@ -29,11 +29,9 @@ import numpy as np
 import torch
 
 from vllm_entmtp.trees import Tree
+from vllm_entmtp.verify import SAMPLING_EPS
 
 logger = logging.getLogger("vllm.entmtp")
-
-#: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``).
-SAMPLING_EPS = 1e-5
 
 #: Where the plugin's per-step work can fail without taking the engine down (``vllm:entmtp_fallbacks_total``).
 FAULT_STAGES = ("propose", "draft", "bookkeeping", "verify", "kv_compaction", "signals", "metrics")

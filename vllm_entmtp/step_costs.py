@@ -21,6 +21,7 @@ explored: where that is pessimistic the rule drafts less than it could, never mo
 """
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import deque
 
@@ -39,6 +40,7 @@ class StepCosts:
         self._rows: dict[int, deque] = {}
         self._draft: dict[int, deque] = {}
         self._since_probe: dict[int, int] = {}
+        self._med: dict[int, float] | None = None  # medians by row count, cached until the next observation
         self.probes = 0
 
     # -- observations ---------------------------------------------------------------------------------------------
@@ -48,6 +50,7 @@ class StepCosts:
         tokens) took ``seconds`` in its row-bound part."""
         if rows >= 1 and seconds > 0:
             self._rows.setdefault(rows, deque(maxlen=self.window)).append(seconds)
+            self._med = None
 
     def record_draft(self, batch_size: int, seconds: float) -> None:
         """Drafting for ``batch_size`` requests (signals, heads, scheduler) took ``seconds``."""
@@ -76,27 +79,42 @@ class StepCosts:
     def known_rows(self) -> list[int]:
         return sorted(self._rows)
 
+    def _medians(self) -> dict[int, float]:
+        if self._med is None:
+            self._med = {r: statistics.median(v) for r, v in sorted(self._rows.items())}
+        return self._med
+
     def rows_time(self, rows: int) -> float | None:
         """The row-bound time of a decode step of ``rows`` rows (seconds): the median of its observations, else
         interpolated between the nearest measured row counts; None with fewer than two measured row counts (one,
         if ``rows`` is it)."""
-        if rows in self._rows:
-            return statistics.median(self._rows[rows])
-        known = self.known_rows()
-        if len(known) < 2:
-            return None
-        med = {r: statistics.median(self._rows[r]) for r in known}
-        lo = max((r for r in known if r < rows), default=None)
-        hi = min((r for r in known if r > rows), default=None)
-        if lo is not None and hi is not None:
-            return med[lo] + (med[hi] - med[lo]) * (rows - lo) / (hi - lo)
-        if hi is None:  # beyond the largest: extrapolate, no less steeply than on average
-            a, b = known[-2], known[-1]
-            slope = max((med[b] - med[a]) / (b - a), med[b] / b, 0.0)
-            return med[b] + slope * (rows - b)
-        a, b = known[0], known[1]  # below the smallest
-        slope = max((med[b] - med[a]) / (b - a), 0.0)
-        return max(med[a] - slope * (a - rows), 0.0)
+        curve = self.curve(rows, 0)
+        return None if curve is None else curve[0]
+
+    def curve(self, rows: int, extra: int) -> list[float] | None:
+        """:meth:`rows_time` of ``rows, rows + 1, ..., rows + extra`` (one pass); None where one is unknown."""
+        med = self._medians()
+        known = list(med)
+        out = []
+        for r in range(rows, rows + extra + 1):
+            if r in med:
+                out.append(med[r])
+                continue
+            if len(known) < 2:
+                return None
+            i = bisect.bisect_left(known, r)
+            if 0 < i < len(known):  # between two measured row counts
+                lo, hi = known[i - 1], known[i]
+                out.append(med[lo] + (med[hi] - med[lo]) * (r - lo) / (hi - lo))
+            elif i == len(known):  # beyond the largest: extrapolate, no less steeply than on average
+                a, b = known[-2], known[-1]
+                slope = max((med[b] - med[a]) / (b - a), med[b] / b, 0.0)
+                out.append(med[b] + slope * (r - b))
+            else:  # below the smallest
+                a, b = known[0], known[1]
+                slope = max((med[b] - med[a]) / (b - a), 0.0)
+                out.append(max(med[a] - slope * (a - r), 0.0))
+        return out
 
     def draft_time(self, batch_size: int) -> float:
         """Drafting time for ``batch_size`` requests (seconds): the median at the nearest measured batch size

@@ -17,6 +17,7 @@ of the requests each (faults injected in the worker, ``harness.install_faults``)
 """
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -80,14 +81,14 @@ def _prompts():
     return picked
 
 
-def _run(tmp_path, name, model, spec, phases, conversations, engine_args=None):
+def _run(tmp_path, name, model, spec, phases, conversations, engine_args=None, env=None):
     job = {"model": model, "speculative_config": spec, "dtype": "float32", "max_model_len": 1024,
            "max_num_seqs": 16, "conversations": conversations, "max_tokens": MAX_TOKENS, "phases": phases,
            "engine_args": engine_args}
     job_file, out_file = tmp_path / f"{name}.job.json", tmp_path / f"{name}.out.json"
     job_file.write_text(json.dumps(job))
     p = subprocess.run([sys.executable, "-m", "vllm_entmtp.harness", str(job_file), str(out_file)],
-                       capture_output=True, text=True, timeout=1200)
+                       capture_output=True, text=True, timeout=1200, env=os.environ | (env or {}))
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(out_file.read_text()) | {"log": p.stdout + p.stderr}  # vLLM logs to stdout by default
 
@@ -170,9 +171,13 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
                   [{"name": "c4", "concurrency": 4, "prompts": PREFIX_PROMPTS},
                    {"name": "matrix_a", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS},
                    {"name": "matrix_b", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS}], convs,
-                  # no prefix cache: the matrix's second run then gets the same batches as its first
+                  # no prefix cache, and the engine in this process (vLLM's in-process client adds every
+                  # request before the first step; a separate engine-core process may start stepping while
+                  # requests still arrive, so batches depended on timing): the matrix's second run gets the
+                  # same batches as its first
                   engine_args={"enable_chunked_prefill": True, "max_num_batched_tokens": MAX_BATCHED,
-                               "enable_prefix_caching": False})
+                               "enable_prefix_caching": False},
+                  env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     return prompts, plain, {"chain": chain, "tree": tree, "prefix": prefix}
 
 

@@ -101,9 +101,7 @@ def step_key(nodes: int, tree: bool) -> str:
 def needs_attention_fix(tree) -> bool:
     """Whether a draft tree's rows need the tree-attention fix: it branches before its end
     (:func:`~vllm_entmtp.trees.fix_rows_for`); a chain does not."""
-    from vllm_entmtp.trees import fix_rows_for
-
-    return bool(fix_rows_for(list(tree.parents)))
+    return bool(tree.fix_rows)
 
 
 def tree_step_key(tree) -> str:
@@ -176,8 +174,9 @@ def worker_stats(worker) -> dict:
     drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
     publisher = getattr(drafter, "publisher", None)
     if publisher is not None:
-        while not publisher.flush():
-            pass
+        for _ in range(100):  # a snapshot fails only while the engine changes the counters under it
+            if publisher.flush():
+                break
     stats = getattr(drafter, "tree_stats", None)
     out = stats.as_dict() if stats is not None else {}
     timer = getattr(drafter, "step_timer", None)

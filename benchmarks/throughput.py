@@ -279,7 +279,7 @@ def load_hf_prompts(spec: str, num_prompts: int, column: str | None) -> list[lis
 
 def load_benchmark_prompts(dataset: str, num_prompts: int, hf_column: str | None = None) -> list[list[dict]]:
     """The first ``num_prompts`` prompts of a prompt set, JSONL file or ``hf:`` dataset, each as chat messages."""
-    from vllm_entmtp.datasets import PROMPT_SETS, load_prompts
+    from vllm_entmtp.datasets import PROMPT_SETS, PromptFileError, load_prompts, read_jsonl_prompts
 
     if dataset.startswith("hf:"):
         prompts = load_hf_prompts(dataset, num_prompts, hf_column)
@@ -293,30 +293,13 @@ def load_benchmark_prompts(dataset: str, num_prompts: int, hf_column: str | None
         if not path.is_file():
             raise BenchmarkError(f"--dataset {dataset!r} is neither a prompt set ({', '.join(PROMPT_SETS)}) "
                                  f"nor an existing .jsonl file")
-        prompts = read_jsonl_prompts(path)[:num_prompts]
+        try:
+            prompts = [p.messages for p in read_jsonl_prompts(path, text_content=False)[:num_prompts]]
+        except PromptFileError as e:
+            raise BenchmarkError(f"{path}: {e.reason}" if e.line is None else f"{path}:{e.line}: {e.reason}") \
+                from None
     if not prompts:
         raise BenchmarkError(f"no prompts in --dataset {dataset!r}")
-    return prompts
-
-
-def read_jsonl_prompts(path: Path) -> list[list[dict]]:
-    """Chat messages of each line of ``path``: ``{"prompt": "text"}`` or ``{"messages": [...]}``."""
-    prompts = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise BenchmarkError(f"{path}:{lineno}: not JSON ({e.msg})") from None
-            if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-                prompts.append([{"role": "user", "content": row["prompt"]}])
-            elif isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
-                prompts.append(row["messages"])
-            else:
-                raise BenchmarkError(f"{path}:{lineno}: expected an object with a \"prompt\" string "
-                                     f"(or a \"messages\" list)")
     return prompts
 
 

@@ -1,8 +1,11 @@
-"""Prompt sets and head-training text read from the installed data packages (real files, a few seconds)."""
+"""Prompt sets and head-training text read from the installed data packages (real files, a few seconds), and
+JSONL prompt files."""
+import json
+
 import pytest
 
-from vllm_entmtp.datasets import (GSM8K_EVAL_ROWS, PROMPT_SETS, Prompt, load_prompts, sharegpt_split,
-                                  training_conversations)
+from vllm_entmtp.datasets import (GSM8K_EVAL_ROWS, PROMPT_SETS, Prompt, PromptFileError, load_prompts,
+                                  read_jsonl_prompts, sharegpt_split, training_conversations)
 
 
 @pytest.mark.parametrize("name,count", [("humaneval", 164), ("gsm8k", GSM8K_EVAL_ROWS), ("mtbench", 80),
@@ -76,3 +79,26 @@ def test_max_chars_keeps_only_shorter_prompts():
     short = load_prompts("sharegpt", limit=5, max_chars=300)
     assert len(short) == 5 and all(len(p.messages[-1]["content"]) < 300 for p in short)
     assert any(len(p.messages[-1]["content"]) >= 300 for p in load_prompts("sharegpt", limit=40))
+
+
+def test_jsonl_prompt_file(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    parts = [{"type": "text", "text": "two"}]
+    path.write_text('{"prompt": "one \u2028 still one", "id": 7}\n\n'  # a raw U+2028 inside a string
+                    '{"messages": [{"role": "user", "content": "two"}]}\r\n'
+                    + json.dumps({"messages": [{"role": "user", "content": parts}]}) + "\n")
+    assert read_jsonl_prompts(path, text_content=False) == [
+        Prompt("mine", "7", [{"role": "user", "content": "one \u2028 still one"}]),
+        Prompt("mine", "line3", [{"role": "user", "content": "two"}]),
+        Prompt("mine", "line4", [{"role": "user", "content": parts}])]
+    with pytest.raises(PromptFileError, match=r"mine.jsonl, line 4: expected an object with a \"prompt\"") as e:
+        read_jsonl_prompts(path)  # content parts: not text a chat template renders
+    assert (e.value.line, e.value.path) == (4, path)
+    path.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    with pytest.raises(PromptFileError, match="line 2: malformed JSON"):
+        read_jsonl_prompts(path)
+    path.write_text("\n \n")
+    assert read_jsonl_prompts(path) == []
+    with pytest.raises(PromptFileError, match="cannot read") as e:
+        read_jsonl_prompts(tmp_path / "absent.jsonl")
+    assert e.value.line is None

@@ -400,47 +400,6 @@ def head_ranks(heads, view: TargetView, tokens: Sequence[int], hidden: torch.Ten
 
 
 # ------------------------------------------------------------------------------------------ prompts and cache
-def _messages_of(row: Any) -> list[dict] | None:
-    """Chat messages of one JSONL object (``prompt`` or ``messages``), or None when it has neither."""
-    if not isinstance(row, dict):
-        return None
-    if isinstance(row.get("prompt"), str):
-        return [{"role": "user", "content": row["prompt"]}]
-    msgs = row.get("messages")
-    ok = isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("content"), str)
-                                                 for m in msgs)
-    return msgs if ok else None
-
-
-def read_jsonl_prompts(path: str | Path) -> list[dict]:
-    """Prompts of a JSONL file: one object per line with ``prompt`` (a string: one user turn) or ``messages``
-    (OpenAI-style chat messages); blank lines are skipped. Returns ``[{"id", "messages"}]`` (``id``: the
-    object's ``id``, else ``line<N>``).
-
-    Raises:
-        ValueError: unreadable file, malformed line, or a line with neither key (the line number is named).
-    """
-    path = Path(path)
-    try:
-        numbered = [(i, ln) for i, ln in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if ln.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--jsonl {path}: cannot read: {e}") from None
-    out = []
-    for i, line in numbered:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--jsonl {path}, line {i}: malformed JSON: {e.msg}") from None
-        msgs = _messages_of(row)
-        if msgs is None:
-            raise ValueError(f"--jsonl {path}, line {i}: expected an object with \"prompt\" (a string) or "
-                             f"\"messages\" (a non-empty list of {{\"role\", \"content\"}}), got {line[:80]!r}")
-        out.append({"id": str(row.get("id", f"line{i}")), "messages": msgs})
-    if not out:
-        raise ValueError(f"--jsonl {path}: no prompts")
-    return out
-
-
 def render_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[int]:
     """Token ids of ``messages`` through the chat template with the generation prompt (the plain contents
     joined by newlines when the tokenizer has no template), keeping the last ``max_prompt_tokens``."""
@@ -1290,14 +1249,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _load_prompts(args) -> tuple[list[dict], dict]:
+    from vllm_entmtp.datasets import PromptFileError, load_prompts, read_jsonl_prompts
+
     if args.jsonl:
         path = Path(args.jsonl).expanduser()
-        rows = read_jsonl_prompts(path)[:args.num_prompts]
-        return rows, {"jsonl": str(path.resolve()), "sha256": _file_digest(path)}
-    from vllm_entmtp.datasets import load_prompts
-
-    rows = [{"id": p.id, "messages": p.messages} for p in load_prompts(args.prompt_set, limit=args.num_prompts)]
-    return rows, {"prompt_set": args.prompt_set}
+        try:
+            prompts = read_jsonl_prompts(path)
+        except PromptFileError as e:
+            raise ValueError(f"--jsonl {e}") from None
+        if not prompts:
+            raise ValueError(f"--jsonl {path}: no prompts")
+        key = {"jsonl": str(path.resolve()), "sha256": _file_digest(path)}
+    else:
+        prompts = load_prompts(args.prompt_set, limit=args.num_prompts)
+        key = {"prompt_set": args.prompt_set}
+    return [{"id": p.id, "messages": p.messages} for p in prompts[:args.num_prompts]], key
 
 
 def run(args: argparse.Namespace) -> int:

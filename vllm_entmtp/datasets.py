@@ -27,6 +27,9 @@ training too (ShareGPT has duplicates).
 
 The data packages are installed with ``--no-deps`` and are never imported: their files are located with
 ``importlib.util.find_spec(pkg).submodule_search_locations``.
+
+A user's own prompts come from a JSONL file (:func:`read_jsonl_prompts`: ``{"prompt": ...}`` or
+``{"messages": [...]}`` per line), as :class:`Prompt` too.
 """
 from __future__ import annotations
 
@@ -218,6 +221,68 @@ def load_prompts(name: str, limit: int | None = None, split: str = "eval",
     if max_chars is not None:
         prompts = [p for p in prompts if len(p.messages[-1]["content"]) < max_chars]
     return prompts if limit is None else prompts[:limit]
+
+
+# ------------------------------------------------------------------------------------------ prompt files
+class PromptFileError(ValueError):
+    """A JSONL prompt file that cannot be used: ``path``, ``line`` (1-based; None: the file as a whole) and
+    ``reason``, so that each caller can name the place in its own words."""
+
+    def __init__(self, path: Path, line: int | None, reason: str):
+        super().__init__(f"{path}: {reason}" if line is None else f"{path}, line {line}: {reason}")
+        self.path, self.line, self.reason = path, line, reason
+
+
+def _jsonl_messages(row: object, text_content: bool) -> list[dict] | None:
+    """Chat messages of one JSONL object (``prompt`` or ``messages``), or None when it has neither."""
+    if not isinstance(row, dict):
+        return None
+    if isinstance(row.get("prompt"), str):
+        return _user(row["prompt"])
+    msgs = row.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        return None
+    ok = not text_content or all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs)
+    return msgs if ok else None
+
+
+def read_jsonl_prompts(path: str | Path, text_content: bool = True) -> list[Prompt]:
+    """Prompts of a JSONL file, in file order: one object per line with ``prompt`` (a string: one user turn) or
+    ``messages`` (a non-empty list of OpenAI-style chat messages); blank lines are skipped. A prompt's ``id`` is
+    the object's ``id``, else ``line<N>``; its ``dataset`` is the file's stem. Lines end at a newline only
+    (``\\n``, ``\\r\\n`` or ``\\r``), not at a raw U+2028 or U+0085 inside a JSON string.
+
+    Args:
+        text_content: every message's ``content`` must be a string (``vllm-entmtp build-trees`` renders it with
+            the tokenizer's chat template); False takes any non-empty ``messages`` list as it is (a server's chat
+            API also takes content parts; ``benchmarks/throughput.py``).
+
+    Returns:
+        The prompts (none for a file of blank lines).
+
+    Raises:
+        PromptFileError: unreadable file, malformed line, or a line with neither key (the line number is named).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PromptFileError(path, None, f"cannot read: {e}") from None
+    shape = 'expected an object with a "prompt" string or a non-empty "messages" list' + (
+        ' of {"role", "content"} objects with string contents' if text_content else "")
+    out = []
+    for i, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PromptFileError(path, i, f"malformed JSON: {e.msg}") from None
+        msgs = _jsonl_messages(row, text_content)
+        if msgs is None:
+            raise PromptFileError(path, i, f"{shape}, got {line[:80]!r}")
+        out.append(Prompt(path.stem, str(row.get("id", f"line{i}")), msgs))
+    return out
 
 
 # ------------------------------------------------------------------------------------------ training text

@@ -1,4 +1,4 @@
-"""``vllm-entmtp build-trees`` (vllm_entmtp/calibrate.py): acceptance formula, greedy trees, Pareto choice, bins,
+"""``vllm-entmtp build-trees`` (vllm_entmtp/calibrate/): acceptance formula, greedy trees, Pareto choice, bins,
 the tree-set file it writes, and one end-to-end run on a tiny random model."""
 from __future__ import annotations
 
@@ -12,7 +12,17 @@ import pytest
 import torch
 from conftest import make_heads
 
-from vllm_entmtp import calibrate as C
+from vllm_entmtp.calibrate.acceptance import expected_accepted, greedy_tree, node_probability
+from vllm_entmtp.calibrate.bins import BinStats, bin_statistics, edge_scores, quantile_edges
+from vllm_entmtp.calibrate.chain_stop import CHAIN_STOP_GRID, cut_depths, fit_chain_stop, schedule_speedup_on_outcomes
+from vllm_entmtp.calibrate.costs import interpolate_cost, monotone_times, read_step_costs, step_cost_of
+from vllm_entmtp.calibrate.records import display_path
+from vllm_entmtp.calibrate.report import summary_table
+from vllm_entmtp.calibrate.search import (Candidate, best_ratio, candidates_for_bin, choose, expected_overall,
+                                          pareto_frontier)
+from vllm_entmtp.calibrate.signals import chain_outcomes, signal_correlations, signal_series
+from vllm_entmtp.calibrate.target import true_token_ranks
+from vllm_entmtp.calibrate.tree_set import build_tree_set
 from vllm_entmtp.cli import main as cli_main
 from vllm_entmtp.config import EntMTPConfig
 from vllm_entmtp.scheduler import TreeScheduler
@@ -39,89 +49,89 @@ def _walk_expectation(paths, P):
 def test_expected_acceptance_on_a_hand_made_table():
     tree = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
     # 0.5 + 0.25 + 0.5*0.4 + 0.5*0.1 + 0.25*0.4 + 0.5*0.4*0.5
-    assert C.expected_accepted(tree, P3) == pytest.approx(1.2, abs=1e-12)
-    assert C.expected_accepted([[0], [0, 0], [0, 0, 0]], P3) == pytest.approx(0.8, abs=1e-12)
-    assert C.node_probability((0, 1), P3) == pytest.approx(0.05, abs=1e-12)
-    assert C.node_probability((2,), P3) == 0.0  # rank past the table: a miss
-    assert C.node_probability((0, 0, 0, 0), P3) == 0.0  # deeper than the heads
-    assert C.expected_accepted([[0, 1, 0], [0], [0, 1]], P3) == pytest.approx(0.575, abs=1e-12)  # any order
+    assert expected_accepted(tree, P3) == pytest.approx(1.2, abs=1e-12)
+    assert expected_accepted([[0], [0, 0], [0, 0, 0]], P3) == pytest.approx(0.8, abs=1e-12)
+    assert node_probability((0, 1), P3) == pytest.approx(0.05, abs=1e-12)
+    assert node_probability((2,), P3) == 0.0  # rank past the table: a miss
+    assert node_probability((0, 0, 0, 0), P3) == 0.0  # deeper than the heads
+    assert expected_accepted([[0, 1, 0], [0], [0, 1]], P3) == pytest.approx(0.575, abs=1e-12)  # any order
     for paths in (tree, [[0]], [[1], [0], [1, 1], [1, 0, 0], [1, 0]]):
-        assert C.expected_accepted(paths, P3) == pytest.approx(_walk_expectation(paths, P3), abs=1e-12)
+        assert expected_accepted(paths, P3) == pytest.approx(_walk_expectation(paths, P3), abs=1e-12)
 
 
 def test_greedy_tree_known_result_and_properties():
     P = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.0]]
-    got = C.greedy_tree(P, 8)
+    got = greedy_tree(P, 8)
     assert [p for p, _ in got] == [(0,), (0, 0), (1,), (0, 1), (2,), (1, 0), (2, 0), (1, 1)]
     assert [v for _, v in got] == pytest.approx([0.6, 0.3, 0.2, 0.12, 0.1, 0.1, 0.05, 0.04])
     # (2,) and (1, 0) tie at 0.1: the shorter path first; zero-probability nodes last, in canonical order,
     # until the 3 + 3 * 3 nodes of the [depth][rank] grid are used up
-    assert [p for p, _ in C.greedy_tree(P, 20)][8:] == [(2, 1), (0, 2), (1, 2), (2, 2)]
+    assert [p for p, _ in greedy_tree(P, 20)][8:] == [(2, 1), (0, 2), (1, 2), (2, 2)]
     # the left-sibling rule: rank 1 is worth more than rank 0, but only enters after it
-    assert [p for p, _ in C.greedy_tree([[0.1, 0.5], [0.9, 0.0]], 3)] == [(0,), (1,), (1, 0)]
+    assert [p for p, _ in greedy_tree([[0.1, 0.5], [0.9, 0.0]], 3)] == [(0,), (1,), (1, 0)]
     # depth limit and the end of the [depth][rank] grid
-    assert all(len(p) == 1 for p, _ in C.greedy_tree(P, 3, max_depth=1))
-    assert len(C.greedy_tree([[0.5]], 5)) == 1
-    assert len(C.greedy_tree([[0.5], [0.5]], 5)) == 2
+    assert all(len(p) == 1 for p, _ in greedy_tree(P, 3, max_depth=1))
+    assert len(greedy_tree([[0.5]], 5)) == 1
+    assert len(greedy_tree([[0.5], [0.5]], 5)) == 2
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
         table = torch.rand(4, 5, generator=g)
         table = (table / table.sum(1, keepdim=True) * 0.9).tolist()
-        full = C.greedy_tree(table, 30, max_depth=3)
+        full = greedy_tree(table, 30, max_depth=3)
         for n in range(1, 31):
             prefix = [p for p, _ in full[:n]]
-            assert [p for p, _ in C.greedy_tree(table, n, max_depth=3)] == prefix  # nested
+            assert [p for p, _ in greedy_tree(table, n, max_depth=3)] == prefix  # nested
             Tree(prefix, max_depth=3)  # a valid tree: parents present
             assert all(p[:-1] + (p[-1] - 1,) in prefix for p in prefix if p[-1] > 0)  # left siblings present
         for p, v in full:
-            assert v == pytest.approx(C.node_probability(p, table))
+            assert v == pytest.approx(node_probability(p, table))
     with pytest.raises(ValueError, match="max_nodes"):
-        C.greedy_tree(P, 0)
+        greedy_tree(P, 0)
     with pytest.raises(ValueError, match="equally long"):
-        C.greedy_tree([[0.5, 0.1], [0.5]], 2)
+        greedy_tree([[0.5, 0.1], [0.5]], 2)
 
 
 def test_pareto_frontier_and_best_ratio():
     pts = [(1.0, 1.0), (1.2, 1.5), (1.1, 1.0), (1.5, 1.4), (2.0, 2.0), (2.0, 2.0), (1.2, 1.3), (3.0, 2.0)]
-    assert C.pareto_frontier(pts) == [0, 1, 4]  # (1.1, 1.0), (1.5, 1.4), (1.2, 1.3), (3, 2) dominated
-    assert C.best_ratio(pts) == 1  # 1.5 / 1.2 = 1.25
-    assert C.best_ratio([(1.0, 1.0), (1.3, 1.2)]) == 0  # nothing beats not drafting
-    assert C.best_ratio([(2.0, 2.5), (1.0, 1.25)]) == 1  # equal ratio: the cheaper
+    assert pareto_frontier(pts) == [0, 1, 4]  # (1.1, 1.0), (1.5, 1.4), (1.2, 1.3), (3, 2) dominated
+    assert best_ratio(pts) == 1  # 1.5 / 1.2 = 1.25
+    assert best_ratio([(1.0, 1.0), (1.3, 1.2)]) == 0  # nothing beats not drafting
+    assert best_ratio([(2.0, 2.5), (1.0, 1.25)]) == 1  # equal ratio: the cheaper
     with pytest.raises(ValueError, match="cost"):
-        C.best_ratio([(0.0, 1.0)])
+        best_ratio([(0.0, 1.0)])
 
 
 def test_bins_and_rank_tables():
     ent = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
     ranks = torch.tensor([[0, 0], [1, 9], [0, -1], [0, 1], [3, 0], [2, -1]], dtype=torch.int16)
-    assert C.quantile_edges(ent, 2) == [0.35]
-    assert C.quantile_edges(torch.zeros(10), 3) == []  # edges <= 0 dropped
-    assert C.quantile_edges(ent, 1) == []
-    bins = C.bin_statistics(ent, ranks, [0.3], max_rank=2)  # 0.3 lies on the edge: upper bin
+    assert quantile_edges(ent, 2) == [0.35]
+    assert quantile_edges(torch.zeros(10), 3) == []  # edges <= 0 dropped
+    assert quantile_edges(ent, 1) == []
+    bins = bin_statistics(ent, ranks, [0.3], max_rank=2)  # 0.3 lies on the edge: upper bin
     assert [b.positions for b in bins] == [2, 4]
     assert bins[0].P == [[0.5, 0.5], [0.5, 0.0]]  # head 1: ranks 0 and 9 (a miss)
     assert bins[1].P == [[0.5, 0.0], [0.5, 0.5]]  # head 0: 0, 0, 3, 2; head 1: 0 and 1 (two unlabelled)
     assert bins[1].labels_per_depth == [4, 2]
     assert bins[0].mean_signal == pytest.approx(0.15) and bins[1].hi == math.inf
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 1.0, 1.0, 0.0]])
-    assert C.true_token_ranks(logits, torch.tensor([3, -1]), cap=8).tolist() == [1, 8]
-    assert C.true_token_ranks(logits, torch.tensor([0, 2]), cap=1).tolist() == [1, 1]
+    assert true_token_ranks(logits, torch.tensor([3, -1]), cap=8).tolist() == [1, 8]
+    assert true_token_ranks(logits, torch.tensor([0, 2]), cap=1).tolist() == [1, 1]
 
 
 def test_confidence_bins_go_from_most_to_least_confident():
     conf = torch.tensor([0.9, 0.8, 0.5, 0.4, 0.2, 0.1])
     ranks = torch.zeros(6, 1, dtype=torch.int16)
     ranks[3:] = 5  # the less confident half misses
-    edges = C.quantile_edges(-conf, 2, lower=-1.0)
+    edges = quantile_edges(-conf, 2, lower=-1.0)
     assert edges == [-0.45]
-    bins = C.bin_statistics(-conf, ranks, edges, max_rank=2, signal="confidence")
+    bins = bin_statistics(-conf, ranks, edges, max_rank=2, signal="confidence")
     assert [b.positions for b in bins] == [3, 3] and bins[0].P == [[1.0, 0.0]] and bins[1].P == [[0.0, 0.0]]
     assert bins[0].signal_range() == (0.45, 1.0) and bins[1].signal_range() == (None, 0.45)
     assert bins[0].mean_signal == pytest.approx(2.2 / 3) and bins[0].to_json()["confidence_range"] == [0.45, 1.0]
-    assert C.edge_scores([0.6, 0.2], "confidence") == [-0.6, -0.2]
+    assert edge_scores([0.6, 0.2], "confidence") == [-0.6, -0.2]
     for bad, sig in (([0.2, 0.6], "confidence"), ([1.0], "confidence"), ([0.6, 0.2], "entropy")):
         with pytest.raises(ValueError, match="--edges"):
-            C.edge_scores(bad, sig)
+            edge_scores(bad, sig)
 
 
 def test_signal_series_is_what_the_runtime_tracker_holds():
@@ -130,7 +140,7 @@ def test_signal_series_is_what_the_runtime_tracker_holds():
     recs = [{"entropy": torch.tensor([1.0, 0.0, 2.0]), "head_top1": torch.tensor([[0.5, 0.4], [0.9, 0.8],
                                                                                [0.1, 0.5]])},
             {"entropy": torch.tensor([0.3]), "head_top1": torch.tensor([[0.2, 0.2]])}]
-    ent = C.signal_series(recs, "entropy", 2)
+    ent = signal_series(recs, "entropy", 2)
     b = 0.5  # window 2: beta = 1/2, bias-corrected; a new record starts a new EMA
     m = [(1 - b) * 1.0, b * (1 - b) * 1.0, b * b * (1 - b) * 1.0 + (1 - b) * 2.0]  # EMA before correction
     assert ent.tolist() == pytest.approx([m[0] / (1 - b), m[1] / (1 - b ** 2), m[2] / (1 - b ** 3), 0.3])
@@ -138,12 +148,12 @@ def test_signal_series_is_what_the_runtime_tracker_holds():
     for e in (1.0, 0.0, 2.0):
         tr.update("r", e)
     assert ent[2].item() == pytest.approx(tr.signals("r").entropy_ema)
-    conf = C.signal_series(recs, "confidence", 1)  # window 1: this position's path confidence, negated
+    conf = signal_series(recs, "confidence", 1)  # window 1: this position's path confidence, negated
     assert conf.tolist() == pytest.approx([-0.2, -0.72, -0.05, -0.04])
-    first = C.signal_series(recs, "confidence", 1, confidence_heads=1)  # the first head's only
+    first = signal_series(recs, "confidence", 1, confidence_heads=1)  # the first head's only
     assert first.tolist() == pytest.approx([-0.5, -0.9, -0.1, -0.2])
     with pytest.raises(ValueError, match="unknown signal"):
-        C.signal_series(recs, "nope", 1)
+        signal_series(recs, "nope", 1)
 
 
 def test_signal_correlations_find_the_predictive_signal():
@@ -154,7 +164,7 @@ def test_signal_correlations_find_the_predictive_signal():
     ranks = torch.where(hit, 0, 3).to(torch.int16)[:, None].repeat(1, 2)
     recs = [{"entropy": torch.rand(n, generator=g), "ranks": ranks,  # entropy: unrelated noise
              "head_top1": torch.stack([conf, torch.full((n,), 0.5)], 1)}]
-    got = C.signal_correlations(recs, entropy_window=4)
+    got = signal_correlations(recs, entropy_window=4)
     assert set(got) == {"entropy_ema", "entropy_last", "confidence_1_heads", "confidence_2_heads"}
     c1 = got["confidence_1_heads"]
     assert c1["r_first"] > 0.4 and c1["first_hit_top30"] > 0.75 > 0.25 > c1["first_hit_bottom30"]
@@ -165,36 +175,36 @@ def test_signal_correlations_find_the_predictive_signal():
 def test_metadata_paths_do_not_name_this_machine(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "heads").mkdir()
-    assert C.display_path(tmp_path / "heads") == "heads"
+    assert display_path(tmp_path / "heads") == "heads"
     home = Path.home()
-    assert C.display_path(home / ".cache" / "m") == str(Path("~") / ".cache" / "m")
+    assert display_path(home / ".cache" / "m") == str(Path("~") / ".cache" / "m")
 
 
 def test_step_costs_file_and_interpolation(tmp_path):
     f = tmp_path / "cost.json"
     f.write_text(json.dumps({"step_cost_by_nodes": {"0": 1.0, "1": 1.2, "4": 1.5, "2": 1.1}}))
-    both = C.read_step_costs(f)
+    both = read_step_costs(f)
     assert both == {"chain": {1: 1.2, 2: 1.1, 4: 1.5}, "tree": {}}
     costs = both["chain"]
-    assert C.interpolate_cost(costs, 1) == pytest.approx(1.2)
-    assert C.interpolate_cost(costs, 2) == pytest.approx(1.2)  # never cheaper than fewer nodes
-    assert C.interpolate_cost(costs, 3) == pytest.approx(1.35)
-    assert C.interpolate_cost(costs, 8) == pytest.approx(1.5 + 0.15 * 4)  # the last slope
+    assert interpolate_cost(costs, 1) == pytest.approx(1.2)
+    assert interpolate_cost(costs, 2) == pytest.approx(1.2)  # never cheaper than fewer nodes
+    assert interpolate_cost(costs, 3) == pytest.approx(1.35)
+    assert interpolate_cost(costs, 8) == pytest.approx(1.5 + 0.15 * 4)  # the last slope
     # no tree costs measured: trees cost what chains of their size do
-    assert C.step_cost_of(both, [[0], [1]]) == pytest.approx(1.2)
+    assert step_cost_of(both, [[0], [1]]) == pytest.approx(1.2)
     # chains and trees measured apart: a branching tree reads the tree table, a chain the chain table
     f.write_text(json.dumps({"step_cost_by_nodes": {"0": 1.0, "1": 1.1, "2": 1.2, "2t": 1.4, "4t": 1.8}}))
-    both = C.read_step_costs(f)
+    both = read_step_costs(f)
     assert both == {"chain": {1: 1.1, 2: 1.2}, "tree": {2: 1.4, 4: 1.8}}
-    assert C.step_cost_of(both, [[0], [0, 0]]) == pytest.approx(1.2)
-    assert C.step_cost_of(both, [[0], [1]]) == pytest.approx(1.4)
-    assert C.step_cost_of(both, [[0], [0, 0], [1]]) == pytest.approx(1.6)  # branches after its chain: a tree
-    assert C.step_cost_of(both, [[0]]) == pytest.approx(1.1)
+    assert step_cost_of(both, [[0], [0, 0]]) == pytest.approx(1.2)
+    assert step_cost_of(both, [[0], [1]]) == pytest.approx(1.4)
+    assert step_cost_of(both, [[0], [0, 0], [1]]) == pytest.approx(1.6)  # branches after its chain: a tree
+    assert step_cost_of(both, [[0]]) == pytest.approx(1.1)
     for bad in ({"nodes": {}}, {"step_cost_by_nodes": {"1": "x"}}, {"step_cost_by_nodes": {"2": -1}},
                 {"step_cost_by_nodes": {"2x": 1.2}}):
         f.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match="--step-costs"):
-            C.read_step_costs(f)
+            read_step_costs(f)
 
 
 def test_step_costs_of_several_runs_are_medians_per_key(tmp_path):
@@ -204,24 +214,24 @@ def test_step_costs_of_several_runs_are_medians_per_key(tmp_path):
     for i, r in enumerate(runs):
         files.append(tmp_path / f"run{i}.json")
         files[-1].write_text(json.dumps({"step_cost_by_nodes": r}))
-    both = C.read_step_costs(files)
+    both = read_step_costs(files)
     assert both["chain"] == {1: pytest.approx((1.03 + 1.10) / 2), 2: pytest.approx((1.19 + 1.23) / 2)}
     assert both["tree"] == {4: pytest.approx(1.55)}  # only the runs that measured it
-    assert C.read_step_costs([files[0]]) == C.read_step_costs(files[0]) == {"chain": {1: 1.15, 2: 1.28},
+    assert read_step_costs([files[0]]) == read_step_costs(files[0]) == {"chain": {1: 1.15, 2: 1.28},
                                                                             "tree": {4: 1.6}}
     files[2].write_text(json.dumps({"step_cost_by_nodes": {"1": 0}}))
     with pytest.raises(ValueError, match=f"--step-costs {files[2]}"):  # the bad file is named
-        C.read_step_costs(files)
+        read_step_costs(files)
     with pytest.raises(ValueError, match="no file"):
-        C.read_step_costs([])
+        read_step_costs([])
 
 
 def _choice(index, lo, hi, P, costs):
-    stats = C.BinStats(index, lo, hi, 10, (lo + min(hi, 3.0)) / 2, [10] * len(P), P)
-    cands = C.candidates_for_bin(stats, [1, 2, 4], len(P))
+    stats = BinStats(index, lo, hi, 10, (lo + min(hi, 3.0)) / 2, [10] * len(P), P)
+    cands = candidates_for_bin(stats, [1, 2, 4], len(P))
     for c in cands:
         c.verify_cost, c.draft_cost = costs[c.num_nodes], 0.05
-    return C.choose(stats, cands)
+    return choose(stats, cands)
 
 
 def test_expected_overall_weighs_bins_by_positions():
@@ -229,13 +239,13 @@ def test_expected_overall_weighs_bins_by_positions():
     hot = _choice(0, 0.0, 1.0, [[0.9, 0.05], [0.8, 0.1]], costs)
     cold = _choice(1, 1.0, math.inf, [[0.05, 0.05], [0.05, 0.0]], costs)
     assert hot.chosen is not None and cold.chosen is None  # the cold bin drafts nothing
-    got = C.expected_overall([hot, cold])
+    got = expected_overall([hot, cold])
     t_hot = hot.chosen.tokens_per_step
     # 10 positions in each bin (see _choice): the schedule drafts in the hot bin only
     assert got["schedule"] == pytest.approx(round((t_hot + 1.0) / (hot.chosen.cost + 1.0), 4))
     every = []
     for c in hot.candidates:
-        t = [1 + C.expected_accepted(c.key, b.stats.P) for b in (hot, cold)]
+        t = [1 + expected_accepted(c.key, b.stats.P) for b in (hot, cold)]
         every.append((t[0] + t[1]) / (2 * c.cost))
     assert got["best_static"]["speedup"] == pytest.approx(round(max(every), 4))
     assert got["schedule"] > got["best_static"]["speedup"]  # choosing per bin pays here
@@ -249,7 +259,7 @@ def test_tree_set_file_loads_and_schedules(tmp_path):
     assert choices[0].chosen.num_nodes == 4 and choices[2].chosen is None
     keys = {c.key for b in choices for c in b.candidates}
     times = {"verify": {n: 10.0 * x for n, x in costs.items()}, "draft": {k: 0.5 for k in keys}}
-    obj, bin_ids = C.build_tree_set(choices, name="t", heads_kind="medusa", num_heads=2, times_ms=times,
+    obj, bin_ids = build_tree_set(choices, name="t", heads_kind="medusa", num_heads=2, times_ms=times,
                                     calibration={"prompts": "hand", "positions": 30}, hysteresis=0.1)
     path = tmp_path / "t.json"
     path.write_text(json.dumps(obj))
@@ -270,7 +280,7 @@ def test_tree_set_file_loads_and_schedules(tmp_path):
     from vllm_entmtp.entropy import Signals
     sig = [Signals(entropy_ema=e, entropy_last=e, updates=5) for e in (0.5, 1.0)]
     assert sched.choose(["a", "b"], sig) == [("b0n4", ts.get("b0n4")), (None, None)]
-    table = C.summary_table(choices, bin_ids)
+    table = summary_table(choices, bin_ids)
     assert "no tree beats plain decoding (best: 1 nodes" in table and "bonus" in table
 
 
@@ -281,13 +291,13 @@ def _records(ranks, top1):
 def test_chain_outcomes_and_cut_depths():
     ranks = [[0, 0, 1], [0, 2, 0], [3, 0, 0], [0, 0, 0], [0, -1, -1]]  # the last has no true token for heads 1, 2
     top1 = [[0.9, 0.8, 0.5], [0.6, 0.9, 0.9], [0.3, 0.9, 0.9], [0.95, 0.9, 0.9], [0.9, 0.9, 0.9]]
-    lead, conf, rk = C.chain_outcomes(_records(ranks, top1))
+    lead, conf, rk = chain_outcomes(_records(ranks, top1))
     assert lead.tolist() == [2, 1, 0, 3] and rk.shape == (4, 3)
     assert conf[0].tolist() == pytest.approx([0.9, 0.72, 0.36])
     # the first node always; then while the path confidence up to the node's head is >= tau
-    assert C.cut_depths(conf, 3, 0.5).tolist() == [2, 2, 1, 3]
-    assert C.cut_depths(conf, 2, 0.5).tolist() == [2, 2, 1, 2]
-    assert C.cut_depths(conf, 3, 0.99).tolist() == [1, 1, 1, 1]
+    assert cut_depths(conf, 3, 0.5).tolist() == [2, 2, 1, 3]
+    assert cut_depths(conf, 2, 0.5).tolist() == [2, 2, 1, 2]
+    assert cut_depths(conf, 3, 0.99).tolist() == [1, 1, 1, 1]
 
 
 def test_fit_chain_stop_against_fixed_chains():
@@ -295,9 +305,9 @@ def test_fit_chain_stop_against_fixed_chains():
     # only head 0 is (heads say 0.3 after it); a cut chain drafts 3 on the first and 1 on the second
     ranks = [[0, 0, 0]] * 5 + [[0, 1, 1]] * 5
     top1 = [[0.95, 0.95, 0.95]] * 5 + [[0.9, 0.3, 0.3]] * 5
-    lead, conf, _ = C.chain_outcomes(_records(ranks, top1))
+    lead, conf, _ = chain_outcomes(_records(ranks, top1))
     cost = [1.0, 1.1, 1.3, 1.5]
-    fit = C.fit_chain_stop(lead, conf, cost)
+    fit = fit_chain_stop(lead, conf, cost)
     assert fit["chains"][1] == pytest.approx(20 / 11, abs=1e-4)  # 2 tokens per step everywhere, cost 1.1
     assert fit["chains"][3] == pytest.approx((5 * 4 + 5 * 2) / 15, abs=1e-4)
     best = fit["best"]
@@ -322,18 +332,18 @@ def test_ladder_evaluated_on_outcomes():
         acc.append(d)
     expected = (3 + sum(acc) + 1) / (3 * hot.chosen.cost + 1)  # the cold bin drafts nothing
     assert cold.chosen is None
-    assert C.schedule_speedup_on_outcomes([hot, cold], score, full, ranks) == pytest.approx(expected, abs=1e-4)
+    assert schedule_speedup_on_outcomes([hot, cold], score, full, ranks) == pytest.approx(expected, abs=1e-4)
 
 
 def test_tree_set_with_a_chain_stop_schedules_one_cut_chain(tmp_path):
     costs = {1: 1.05, 2: 1.1, 4: 1.12}
     choices = [_choice(0, 0.0, 0.5, [[0.9, 0.05], [0.8, 0.1]], costs), _choice(1, 0.5, math.inf,
                                                                               [[0.5, 0.1], [0.3, 0.1]], costs)]
-    chains = [C.Candidate(bin=0, budget=n, paths=tuple((0,) * k for k in range(1, n + 1)), accepted=0.5 * n,
+    chains = [Candidate(bin=0, budget=n, paths=tuple((0,) * k for k in range(1, n + 1)), accepted=0.5 * n,
                           verify_cost=1.0 + 0.05 * n, draft_cost=0.0) for n in (2, 1)]
     keys = {c.key for b in choices for c in b.candidates} | {c.key for c in chains}
     times = {"verify": {n: 10.0 * x for n, x in costs.items()}, "draft": {k: 0.5 for k in keys}}
-    obj, bin_ids = C.build_tree_set(choices, name="t", heads_kind="hydra", num_heads=2, times_ms=times,
+    obj, bin_ids = build_tree_set(choices, name="t", heads_kind="hydra", num_heads=2, times_ms=times,
                                     calibration={"prompts": "hand", "positions": 20}, chain_stop=(0.35, chains))
     path = tmp_path / "t.json"
     path.write_text(json.dumps(obj))
@@ -350,7 +360,7 @@ def test_tree_set_with_a_chain_stop_schedules_one_cut_chain(tmp_path):
     # a confidence set: the 1-node chain below tau (the same drafts; a step down under load before none)
     for b in choices:
         b.stats.signal = "confidence"
-    obj, _ = C.build_tree_set(choices, name="t", heads_kind="hydra", num_heads=2, times_ms=times,
+    obj, _ = build_tree_set(choices, name="t", heads_kind="hydra", num_heads=2, times_ms=times,
                               calibration={"prompts": "hand", "positions": 20}, chain_stop=(0.35, chains))
     path.write_text(json.dumps(obj))
     ts = load_tree_set(str(path), num_heads=2)
@@ -483,7 +493,7 @@ def test_build_trees_end_to_end(tiny_model, tmp_path, capsys):
                      "confidence", "--bins", "2", "--step-costs", str(costs), "--chain-stop", "auto")
     assert rc == 0
     info = load_tree_set(str(out), num_heads=3).metadata[ts.ids[0]]["calibration"]["chain_stop"]
-    assert info["asked"] == "auto" and len(info["cut"]["2"]) == len(C.CHAIN_STOP_GRID)
+    assert info["asked"] == "auto" and len(info["cut"]["2"]) == len(CHAIN_STOP_GRID)
     assert (info["chosen"] is not None) == (info["best"]["speedup"] > info["ladder"])
 
 
@@ -513,4 +523,4 @@ def test_build_trees_bad_inputs(tiny_model, tmp_path):
 
 
 def test_verification_times_are_made_monotone():
-    assert C.monotone_times({0: 1.0, 1: 1.2, 2: 1.1, 4: 1.5, 3: 1.4}) == {0: 1.0, 1: 1.2, 2: 1.2, 3: 1.4, 4: 1.5}
+    assert monotone_times({0: 1.0, 1: 1.2, 2: 1.1, 4: 1.5, 3: 1.4}) == {0: 1.0, 1: 1.2, 2: 1.2, 3: 1.4, 4: 1.5}

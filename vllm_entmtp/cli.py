@@ -15,7 +15,8 @@ COMMANDS = {
                      "prompts, for train-heads --generated"),
     "train-heads": ("vllm_entmtp.training.train", "train MTP heads for a target model (self-distillation)"),
     "convert-heads": ("vllm_entmtp.heads.convert", "convert MTP heads between checkpoint layouts"),
-    "build-trees": ("vllm_entmtp.calibrate", "measure head accuracy per entropy bin and build a scheduled tree set"),
+    "build-trees": ("vllm_entmtp.calibrate.cli", "measure head accuracy per entropy bin and build a scheduled tree "
+                    "set"),
 }
 
 

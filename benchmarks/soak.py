@@ -39,7 +39,9 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare  # noqa: E402  (benchmarks/compare.py: servers, process groups)
+from compare_methods import Method  # noqa: E402
+from compare_run import machine_description  # noqa: E402
+from compare_server import Server, group_members, serve_command, vllm_executable  # noqa: E402
 import throughput as tp  # noqa: E402  (benchmarks/throughput.py: prompts, SSE, metrics)
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
@@ -140,7 +142,7 @@ def rss_mib(pgid: int | None) -> dict | None:
     if pgid is None:
         return None
     out = {"total": 0.0}
-    for pid in compare.group_members(pgid):
+    for pid in group_members(pgid):
         try:
             status = Path(f"/proc/{pid}/status").read_text().splitlines()
         except OSError:
@@ -243,15 +245,14 @@ async def check_greedy(base_url: str, done: list[tuple[dict, str]], no_draft: bo
     return {"greedy_checked": len(done), "greedy_mismatches": len(mismatches), "mismatched": mismatches[:5]}
 
 
-def serve(args, spec: dict | None, name: str, out_dir: Path) -> compare.Server:
+def serve(args, spec: dict | None, name: str, out_dir: Path) -> Server:
     from vllm_entmtp.models import prepare_default_model
 
     model = str(prepare_default_model())
     extra = ["--dtype", args.dtype, "--max-model-len", "2048", "--max-num-seqs", str(args.concurrency),
              "--num-gpu-blocks-override", str(args.num_gpu_blocks)]
-    cmd = compare.serve_command(compare.vllm_executable(), model, compare.Method(name, spec), args.port,
-                                extra=extra)
-    return compare.Server(cmd, out_dir / f"{name}.log", args.port, 900, name)
+    cmd = serve_command(vllm_executable(), model, Method(name, spec), args.port, extra=extra)
+    return Server(cmd, out_dir / f"{name}.log", args.port, 900, name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         ref = args.reference_url or args.base_url
         report |= asyncio.run(check_greedy(ref, done, no_draft=args.reference == "no-draft"))
     report["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    report["machine"] = compare.machine_description()
+    report["machine"] = machine_description()
     print(json.dumps({k: v for k, v in report.items() if k not in ("config", "machine")}, indent=1))
     if args.result_json:
         args.result_json.write_text(json.dumps(report, indent=1))

@@ -1,5 +1,5 @@
-"""benchmarks/compare.py: method table, interleaving, aggregation, report, arguments and the server wrapper
-(no vLLM server is started)."""
+"""benchmarks/compare.py and its modules (compare_*.py): method table, interleaving, aggregation, report,
+arguments and the server wrapper (no vLLM server is started)."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,14 @@ import pytest
 
 from conftest import load_benchmark
 
-cp = load_benchmark("compare")
-tp = cp.tp
+cp = load_benchmark("compare")  # the script: its options and main; it puts benchmarks/ on sys.path for its parts
+import compare_aggregate as agg  # noqa: E402
+import compare_methods as cm  # noqa: E402
+import compare_report as rep  # noqa: E402
+import compare_server as srv  # noqa: E402
+import compare_settings as cs  # noqa: E402
+import throughput as tp  # noqa: E402
+
 CHOSEN = tp.CHOSEN_FAMILY
 
 
@@ -39,7 +45,7 @@ def checkout(tmp_path, monkeypatch):
         monkeypatch.setattr(models, "_ASSETS", assets)
         monkeypatch.setattr(trees, "shipped_trees_dir", lambda: shipped)
         monkeypatch.delenv(trees.TREES_ENV, raising=False)
-        return cp.shipped_method_table()
+        return cm.shipped_method_table()
 
     return make
 
@@ -70,7 +76,7 @@ def test_method_table_medusa_only(checkout):
     assert "hydra-tree" not in available
     assert skipped["hydra-tree"] == "no Hydra heads are shipped for SmolLM2-135M-Instruct"
     assert "medusa" in available["entmtp"].note
-    assert set(skipped) == {"hydra-tree", *(f"entmtp-{t}" for t in cp.TASKS)}
+    assert set(skipped) == {"hydra-tree", *(f"entmtp-{t}" for t in cm.TASKS)}
 
 
 def test_method_table_without_heads(checkout):
@@ -83,31 +89,31 @@ def test_method_table_without_heads(checkout):
 
 def test_select_methods(checkout):
     available, skipped = checkout(heads=("medusa",))
-    assert [m.name for m in cp.select_methods(None, available, skipped)] == list(available)
-    assert [m.name for m in cp.select_methods("entmtp, plain,entmtp", available, skipped)] == ["entmtp", "plain"]
-    with pytest.raises(cp.BenchmarkError, match="unknown method 'eagle'; known: plain, ngram"):
-        cp.select_methods("plain,eagle", available, skipped)
-    with pytest.raises(cp.BenchmarkError, match="method 'hydra-tree' is not available: no Hydra heads"):
-        cp.select_methods("hydra-tree", available, skipped)
-    with pytest.raises(cp.BenchmarkError, match="at least one"):
-        cp.select_methods(" , ", available, skipped)
+    assert [m.name for m in cm.select_methods(None, available, skipped)] == list(available)
+    assert [m.name for m in cm.select_methods("entmtp, plain,entmtp", available, skipped)] == ["entmtp", "plain"]
+    with pytest.raises(tp.BenchmarkError, match="unknown method 'eagle'; known: plain, ngram"):
+        cm.select_methods("plain,eagle", available, skipped)
+    with pytest.raises(tp.BenchmarkError, match="method 'hydra-tree' is not available: no Hydra heads"):
+        cm.select_methods("hydra-tree", available, skipped)
+    with pytest.raises(tp.BenchmarkError, match="at least one"):
+        cm.select_methods(" , ", available, skipped)
 
 
 # ------------------------------------------------------------------------------------------ interleaving
 def test_interleaved_order_rotates():
     methods = ["plain", "ngram", "entmtp"]
-    orders = [cp.interleaved_order(methods, r) for r in range(4)]
+    orders = [cm.interleaved_order(methods, r) for r in range(4)]
     assert orders == [["plain", "ngram", "entmtp"], ["ngram", "entmtp", "plain"], ["entmtp", "plain", "ngram"],
                       ["plain", "ngram", "entmtp"]]
     for pos in range(3):  # over len(methods) repeats each method takes each position once
         assert sorted(o[pos] for o in orders[:3]) == sorted(methods)
-    assert cp.interleaved_order([], 3) == []
+    assert cm.interleaved_order([], 3) == []
 
 
 # ------------------------------------------------------------------------------------------ arguments
 def settings(checkout_make, argv, **kw):
     available, skipped = checkout_make
-    return cp.make_settings(cp.build_parser().parse_args(argv), available, skipped, **kw)
+    return cs.make_settings(cp.build_parser().parse_args(argv), available, skipped, **kw)
 
 
 def test_quick_defaults_and_overrides(checkout):
@@ -122,7 +128,7 @@ def test_quick_defaults_and_overrides(checkout):
         ["plain", "entmtp"], ["humaneval"], 2, 32)
     s = settings(table, [])
     assert [m.name for m in s.methods] == ["plain", "ngram", "vllm-medusa", "medusa-tree", "entmtp"]
-    assert (s.tasks, s.concurrency, s.repeats, s.port) == (list(cp.TASKS), [1, 4, 16], 1, 8123)
+    assert (s.tasks, s.concurrency, s.repeats, s.port) == (list(cm.TASKS), [1, 4, 16], 1, 8123)
 
 
 def test_per_task_tree_sets_run_their_own_task_only(checkout):
@@ -131,7 +137,7 @@ def test_per_task_tree_sets_run_their_own_task_only(checkout):
     s = settings(table, ["--tasks", "gsm8k,sharegpt"])
     assert [m.name for m in s.methods] == ["plain", "ngram", "hydra-tree", "entmtp", "entmtp-gsm8k"]
     assert s.skipped["entmtp-humaneval"] == "runs task 'humaneval' only, which is not in --tasks"
-    with pytest.raises(cp.BenchmarkError, match="'entmtp-humaneval' runs task 'humaneval' only"):
+    with pytest.raises(tp.BenchmarkError, match="'entmtp-humaneval' runs task 'humaneval' only"):
         settings(table, ["--tasks", "gsm8k", "--methods", "plain,entmtp-humaneval"])
 
 
@@ -160,7 +166,7 @@ def test_default_out_dir(checkout):
     (["--serve-args", "'unclosed"], "--serve-args"),
 ])
 def test_bad_arguments(checkout, argv, message):
-    with pytest.raises(cp.BenchmarkError, match=message.replace("(", r"\(")):
+    with pytest.raises(tp.BenchmarkError, match=message.replace("(", r"\(")):
         settings(checkout(), argv)
 
 
@@ -174,12 +180,12 @@ def test_main_bad_argument_is_one_line(checkout, capsys, tmp_path):
 
 
 def test_serve_command():
-    m = cp.Method("entmtp", {"method": "entmtp"})
-    cmd = cp.serve_command("vllm", "/m", m, 8123, enforce_eager=True, extra=["--max-num-seqs", "8"])
+    m = cm.Method("entmtp", {"method": "entmtp"})
+    cmd = srv.serve_command("vllm", "/m", m, 8123, enforce_eager=True, extra=["--max-num-seqs", "8"])
     assert cmd == ["vllm", "serve", "/m", "--served-model-name", "SmolLM2-135M-Instruct", "--host", "127.0.0.1",
                    "--port", "8123", "--gpu-memory-utilization", "0.5", "--speculative-config",
                    '{"method": "entmtp"}', "--enforce-eager", "--max-num-seqs", "8"]
-    assert "--speculative-config" not in cp.serve_command("vllm", "/m", cp.Method("plain", None), 1)
+    assert "--speculative-config" not in srv.serve_command("vllm", "/m", cm.Method("plain", None), 1)
 
 
 # ------------------------------------------------------------------------------------------ aggregation
@@ -218,7 +224,7 @@ def hand_runs():
 
 
 def test_aggregate_ratios_per_repeat():
-    rows = {(r["method"], r["task"], r["concurrency"]): r for r in cp.aggregate(hand_runs())}
+    rows = {(r["method"], r["task"], r["concurrency"]): r for r in agg.aggregate(hand_runs())}
     assert len(rows) == 6
     e1 = rows[("entmtp", "humaneval", 1)]
     assert e1["repeats"] == [0, 1]
@@ -238,18 +244,18 @@ def test_aggregate_ratios_per_repeat():
 
 def test_aggregate_missing_repeat_of_baseline():
     runs = [r for r in hand_runs() if not (r["method"] == "plain" and r["repeat"] == 1)]
-    e1 = next(r for r in cp.aggregate(runs) if (r["method"], r["concurrency"]) == ("entmtp", 1))
+    e1 = next(r for r in agg.aggregate(runs) if (r["method"], r["concurrency"]) == ("entmtp", 1))
     assert e1["ratios"]["plain"] == {"mean": 3.0, "min": 3.0, "max": 3.0, "std": 0.0, "n": 1}
 
 
 def test_stat_and_formatting():
-    assert cp.stat([None]) is None
-    assert cp.fmt_stat(None, ".1f") == "-"
-    assert cp.fmt_stat(cp.stat([2.0]), ".2f", "x") == "2.00x"
-    assert cp.fmt_stat(cp.stat([1.0, 3.0]), ".2f", "x") == "2.00x [1.00–3.00]"
-    assert cp.fmt_shares({"a": 0.25, "b": 0.75}) == "b 75%, a 25%"
-    assert cp.pooled_mal([level(1, 1, drafts=10, accepted=5), level(4, 1, drafts=10, accepted=15)]) == 2.0
-    assert cp.pooled_mal([level(1, 1, drafts=None)]) is None
+    assert agg.stat([None]) is None
+    assert rep.fmt_stat(None, ".1f") == "-"
+    assert rep.fmt_stat(agg.stat([2.0]), ".2f", "x") == "2.00x"
+    assert rep.fmt_stat(agg.stat([1.0, 3.0]), ".2f", "x") == "2.00x [1.00–3.00]"
+    assert rep.fmt_shares({"a": 0.25, "b": 0.75}) == "b 75%, a 25%"
+    assert agg.pooled_mal([level(1, 1, drafts=10, accepted=5), level(4, 1, drafts=10, accepted=15)]) == 2.0
+    assert agg.pooled_mal([level(1, 1, drafts=None)]) is None
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -268,9 +274,9 @@ def hand_doc(runs, repeats=2, methods=("plain", "ngram", "entmtp")):
 
 def test_render_report():
     doc = hand_doc(hand_runs())
-    doc["aggregate"] = cp.aggregate(doc["runs"])
+    doc["aggregate"] = agg.aggregate(doc["runs"])
     doc["plots"] = ["throughput.png"]
-    md = cp.render_report(doc)
+    md = rep.render_report(doc)
     assert "- command: `python benchmarks/compare.py --repeats 2`" in md
     assert "- machine: AMD EPYC, 2 CPUs (2 usable), Linux" in md
     assert "- date: 2025-01-01T00:00:00+00:00" in md
@@ -296,7 +302,7 @@ def target_runs(entmtp_c1: dict, entmtp_c16: float, mem: dict):
     """One repeat over the four tasks: plain 10 tok/s (c1) and 40 (c16); ngram 12.5, vllm-medusa 14, hydra-tree
     16 (c1); entmtp as given; peak memory per method (MiB) as given."""
     runs = []
-    for task in cp.TASKS:
+    for task in cm.TASKS:
         for name, c1, c16 in (("plain", 10.0, 40.0), ("ngram", 12.5, 40.0), ("vllm-medusa", 14.0, 40.0),
                               ("hydra-tree", 16.0, 40.0), ("entmtp", entmtp_c1[task], entmtp_c16)):
             r = run(name, task, 0, [level(1, c1, drafts=None), level(16, c16, drafts=None)])
@@ -308,9 +314,9 @@ def target_runs(entmtp_c1: dict, entmtp_c16: float, mem: dict):
 def test_targets_read_against_a_run():
     fast = {"humaneval": 21.0, "gsm8k": 20.0, "sharegpt": 15.0, "creative": 12.0}
     doc = hand_doc(target_runs(fast, 40.0, {"plain": 1000.0, "entmtp": 1100.0}))
-    doc["aggregate"] = cp.aggregate(doc["runs"])
-    got = {g["target"]: g for g in cp.targets(doc)}
-    assert [got[f"entmtp / plain, {t}, concurrency 1"]["met"] for t in cp.TASKS] == [True, True, True, False]
+    doc["aggregate"] = agg.aggregate(doc["runs"])
+    got = {g["target"]: g for g in agg.targets(doc)}
+    assert [got[f"entmtp / plain, {t}, concurrency 1"]["met"] for t in cm.TASKS] == [True, True, True, False]
     assert got["entmtp / plain, creative, concurrency 1"]["measured"] == "1.20x"
     ngram = got["entmtp / ngram, best task, concurrency 1"]
     assert ngram["met"] and ngram["measured"].startswith("1.68x (humaneval); ")  # 21 / 12.5
@@ -324,8 +330,8 @@ def test_targets_read_against_a_run():
 
     slow = dict(fast, gsm8k=9.0)
     doc = hand_doc(target_runs(slow, 39.0, {"plain": 1000.0, "entmtp": 1101.0}))
-    doc["aggregate"] = cp.aggregate(doc["runs"])
-    got = {g["target"]: g for g in cp.targets(doc)}
+    doc["aggregate"] = agg.aggregate(doc["runs"])
+    got = {g["target"]: g for g in agg.targets(doc)}
     assert got["entmtp / plain, gsm8k, concurrency 1"]["met"] is False
     assert got["entmtp / plain, every task, concurrency 16"]["met"] is False
     assert got["entmtp peak server memory / plain's"]["met"] is False
@@ -335,14 +341,14 @@ def test_targets_read_against_a_run():
     for r in runs:
         r["levels"] = r["levels"][:1]
     doc = hand_doc(runs)
-    doc["aggregate"] = cp.aggregate(doc["runs"])
-    got = {g["target"]: g for g in cp.targets(doc)}
+    doc["aggregate"] = agg.aggregate(doc["runs"])
+    got = {g["target"]: g for g in agg.targets(doc)}
     assert got["entmtp / hydra-tree, mean of the four tasks, concurrency 1"]["met"] is None
     assert got["entmtp / plain, every task, concurrency 16"]["met"] is None
     assert got["entmtp peak server memory / plain's"]["met"] is None
     assert got["entmtp / plain, humaneval, concurrency 1"]["met"] is True
-    doc["targets"] = cp.targets(doc)
-    md = cp.render_report(doc)
+    doc["targets"] = agg.targets(doc)
+    md = rep.render_report(doc)
     assert "| entmtp / plain, humaneval, concurrency 1 | >= 1.60x | 2.10x | yes |" in md
     assert "| entmtp / hydra-tree, mean of the four tasks, concurrency 1 | >= 1.15x | - | - |" in md
 
@@ -350,18 +356,18 @@ def test_targets_read_against_a_run():
 def test_peak_rss_of_processes():
     import os
 
-    mine = cp.peak_rss_mib([os.getpid()])
+    mine = srv.peak_rss_mib([os.getpid()])
     assert mine is not None and mine > 10  # this pytest process holds torch
-    assert cp.peak_rss_mib([os.getpid(), os.getpid()]) == pytest.approx(2 * mine, rel=0.01)
-    assert cp.peak_rss_mib([2 ** 22 + 7]) is None  # no such process
+    assert srv.peak_rss_mib([os.getpid(), os.getpid()]) == pytest.approx(2 * mine, rel=0.01)
+    assert srv.peak_rss_mib([2 ** 22 + 7]) is None  # no such process
 
 def test_render_report_single_repeat_incomplete_and_errors():
     runs = [r for r in hand_runs() if r["repeat"] == 0]
     runs[0]["levels"][1] = level(4, 30.0, drafts=None, failed=1, errors=["HTTP 500: boom"])
     doc = hand_doc(runs, repeats=1)
     doc["incomplete"] = "the server for method x exited"
-    doc["aggregate"] = cp.aggregate(runs)
-    md = cp.render_report(doc)
+    doc["aggregate"] = agg.aggregate(runs)
+    md = rep.render_report(doc)
     assert "[" not in md.split("### humaneval, concurrency 1")[1].split("Tree choice")[0].replace("[min", "")
     assert "| entmtp | 30.0 | 3.00x | 1.50x | 2.00 | 5.0 | 0 |" in md
     assert "**Incomplete run:** the server for method x exited" in md
@@ -371,20 +377,20 @@ def test_render_report_single_repeat_incomplete_and_errors():
 
 def test_write_outputs(tmp_path):
     doc = hand_doc(hand_runs())
-    cp.write_outputs(doc, tmp_path)
+    rep.write_outputs(doc, tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["plots"] == ["throughput.png", "mal.png", "tree_choice.png"]
     assert len(saved["aggregate"]) == 6
     for name in saved["plots"]:
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
-    assert (tmp_path / "report.md").read_text() == cp.render_report(saved)
-    assert (tmp_path / "headline.md").read_text() == cp.render_headline(saved)
+    assert (tmp_path / "report.md").read_text() == rep.render_report(saved)
+    assert (tmp_path / "headline.md").read_text() == rep.render_headline(saved)
     # --render writes the same files again from results.json, running nothing
     (tmp_path / "report.md").unlink()
     (tmp_path / "headline.md").write_text("stale")
     assert cp.main(["--render", str(tmp_path / "results.json")]) == 0
-    assert (tmp_path / "report.md").read_text() == cp.render_report(saved)
-    assert (tmp_path / "headline.md").read_text() == cp.render_headline(saved)
+    assert (tmp_path / "report.md").read_text() == rep.render_report(saved)
+    assert (tmp_path / "headline.md").read_text() == rep.render_headline(saved)
     assert cp.main(["--render", str(tmp_path / "missing.json")]) == 2
 
 
@@ -394,13 +400,13 @@ def test_results_name_no_machine_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     home = str(Path.home())
     text = f"LD_PRELOAD={tmp_path}/.venv/lib/libgomp.so.1 model={home}/.cache/m other=/opt/x"
-    assert cp.portable(text) == "LD_PRELOAD=.venv/lib/libgomp.so.1 model=~/.cache/m other=/opt/x"
+    assert srv.portable(text) == "LD_PRELOAD=.venv/lib/libgomp.so.1 model=~/.cache/m other=/opt/x"
     runs = hand_runs()
     runs[0]["server_runtime"] = {"env": {"LD_PRELOAD": [f"{tmp_path}/.venv/lib/libgomp.so.1"]}, "omp_binding": []}
     runs[0]["speculative_config"] = {"method": "medusa", "model": f"{home}/.cache/vllm-entmtp/vllm-medusa/m"}
     doc = hand_doc(runs)
     (tmp_path / "out").mkdir()
-    cp.write_outputs(doc, tmp_path / "out")
+    rep.write_outputs(doc, tmp_path / "out")
     for name in ("results.json", "report.md", "headline.md"):
         written = (tmp_path / "out" / name).read_text()
         assert str(tmp_path) not in written and home + "/" not in written
@@ -410,10 +416,10 @@ def test_results_name_no_machine_paths(tmp_path, monkeypatch):
 def test_headline_quotes_the_results():
     fast = {"humaneval": 21.0, "gsm8k": 20.0, "sharegpt": 15.0, "creative": 14.0}
     doc = hand_doc(target_runs(fast, 40.0, {"plain": 1000.0, "entmtp": 1100.0}))
-    doc["settings"]["tasks"], doc["settings"]["concurrency"] = list(cp.TASKS), [1, 16]
-    doc["aggregate"] = cp.aggregate(doc["runs"])
-    doc["targets"] = cp.targets(doc)
-    md = cp.render_headline(doc)
+    doc["settings"]["tasks"], doc["settings"]["concurrency"] = list(cm.TASKS), [1, 16]
+    doc["aggregate"] = agg.aggregate(doc["runs"])
+    doc["targets"] = agg.targets(doc)
+    md = rep.render_headline(doc)
     assert ("| task | vs plain, c1 | vs plain, c16 | vs ngram, c1 | vs vllm-medusa, c1 | vs hydra-tree, c1 | "
             "MAL, c1 |") in md
     assert "| humaneval | 2.10x | 1.00x | 1.68x | 1.50x | 1.31x | - |" in md  # 21/10, 40/40, 21/12.5, 21/14, 21/16
@@ -443,14 +449,14 @@ def test_server_starts_waits_for_health_and_stops_its_group(tmp_path):
     port = free_port()
     script = tmp_path / "srv.py"
     script.write_text(HEALTH_SERVER)
-    server = cp.Server([sys.executable, str(script), str(port)], tmp_path / "logs" / "s.log", port, 30, "fake")
+    server = srv.Server([sys.executable, str(script), str(port)], tmp_path / "logs" / "s.log", port, 30, "fake")
     with server:
-        assert cp.port_in_use(port)
+        assert srv.port_in_use(port)
         pgid = server.proc.pid
-        assert len(cp.group_members(pgid)) == 2
+        assert len(srv.group_members(pgid)) == 2
         assert server.startup_s is not None
-    assert not cp.port_in_use(port)
-    assert cp.group_members(pgid) == []  # the child of the group is gone too
+    assert not srv.port_in_use(port)
+    assert srv.group_members(pgid) == []  # the child of the group is gone too
     assert "listening" in (tmp_path / "logs" / "s.log").read_text()
 
 
@@ -466,12 +472,14 @@ def test_sigterm_stops_the_running_server(tmp_path):
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(f"""
         import signal, sys, time
+        from pathlib import Path
         sys.path.insert(0, {str(Path(cp.__file__).parent)!r})
         import compare as cp
+        from compare_server import Server
         signal.signal(signal.SIGTERM, cp._interrupt)  # what compare.main installs
         try:
             cmd = [sys.executable, {str(tmp_path / "srv.py")!r}, "{port}"]
-            with cp.Server(cmd, cp.Path({str(tmp_path / "s.log")!r}), {port}, 30, "fake") as server:
+            with Server(cmd, Path({str(tmp_path / "s.log")!r}), {port}, 30, "fake") as server:
                 print(server.proc.pid, flush=True)
                 time.sleep(60)
         except KeyboardInterrupt:
@@ -480,11 +488,11 @@ def test_sigterm_stops_the_running_server(tmp_path):
     proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True)
     pgid = int(proc.stdout.readline())
     try:
-        assert cp.port_in_use(port) and len(cp.group_members(pgid)) == 2
+        assert srv.port_in_use(port) and len(srv.group_members(pgid)) == 2
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.stdout.read().strip() == "interrupted"
         assert proc.wait(timeout=90) == 0
-        assert cp.group_members(pgid) == [] and not cp.port_in_use(port)
+        assert srv.group_members(pgid) == [] and not srv.port_in_use(port)
     finally:  # a failed run leaves nothing behind
         proc.kill()
         try:
@@ -495,8 +503,8 @@ def test_sigterm_stops_the_running_server(tmp_path):
 def test_server_that_dies_reports_its_log_tail(tmp_path):
     port = free_port()
     cmd = [sys.executable, "-c", "import sys; print('ValueError: bad speculative config'); sys.exit(3)"]
-    with pytest.raises(cp.BenchmarkError) as e:
-        with cp.Server(cmd, tmp_path / "s.log", port, 30, "entmtp"):
+    with pytest.raises(tp.BenchmarkError) as e:
+        with srv.Server(cmd, tmp_path / "s.log", port, 30, "entmtp"):
             pass
     msg = str(e.value)
     assert msg.startswith("the server for method entmtp exited with code 3 during start-up; log ")
@@ -508,17 +516,17 @@ def test_server_refuses_a_busy_port(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        with pytest.raises(cp.BenchmarkError, match=f"port {port} is already in use"):
-            with cp.Server([sys.executable, "-c", "pass"], tmp_path / "s.log", port, 30, "x"):
+        with pytest.raises(tp.BenchmarkError, match=f"port {port} is already in use"):
+            with srv.Server([sys.executable, "-c", "pass"], tmp_path / "s.log", port, 30, "x"):
                 pass
 
 
 def test_servers_run_float32_where_bfloat16_gemms_are_not_native(tmp_path):
     (tmp_path / "avx2").write_text("flags : fpu sse avx2 fma\n")
     (tmp_path / "amx").write_text("flags : fpu avx512f avx512_bf16 amx_bf16\n")
-    assert cp.default_dtype(str(tmp_path / "avx2")) == "float32"
-    assert cp.default_dtype(str(tmp_path / "amx")) == "auto"
-    assert cp.default_dtype(str(tmp_path / "missing")) == "auto"
+    assert srv.default_dtype(str(tmp_path / "avx2")) == "float32"
+    assert srv.default_dtype(str(tmp_path / "amx")) == "auto"
+    assert srv.default_dtype(str(tmp_path / "missing")) == "auto"
 
 
 def test_runtime_of_the_server_processes_is_recorded(tmp_path):
@@ -528,8 +536,8 @@ def test_runtime_of_the_server_processes_is_recorded(tmp_path):
                    "(EngineCore pid=7) INFO 11-30 [ompmultiprocessing.py:185] \tVLLM_CPU_OMP_THREADS_BIND='auto'\n"
                    "(EngineCore pid=7) INFO 11-30 [ompmultiprocessing.py:185] \tlocal_rank=0, core ids=[0]\n"
                    "(EngineCore pid=7) INFO 11-30 [other.py:1] unrelated\n")
-    assert cp.omp_binding(log) == ["VLLM_CPU_OMP_THREADS_BIND='auto'", "local_rank=0, core ids=[0]"]
-    assert cp.omp_binding(tmp_path / "missing.log") == []
+    assert srv.omp_binding(log) == ["VLLM_CPU_OMP_THREADS_BIND='auto'", "local_rank=0, core ids=[0]"]
+    assert srv.omp_binding(tmp_path / "missing.log") == []
     import subprocess
     import sys
 
@@ -537,14 +545,14 @@ def test_runtime_of_the_server_processes_is_recorded(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(20)"], env=env) for _ in range(2)]
     try:
         time.sleep(0.5)
-        assert cp.process_env([p.pid for p in procs]) == {"OMP_NUM_THREADS": ["3"]}
+        assert srv.process_env([p.pid for p in procs]) == {"OMP_NUM_THREADS": ["3"]}
     finally:
         for p in procs:
             p.kill()
             p.wait()
     runs = [{"method": m, "server_runtime": {"env": {"LD_PRELOAD": ["/lib/a.so"]}, "omp_binding": ["core ids=[0]"]}}
             for m in ("plain", "entmtp")]
-    assert cp.runtime_lines(runs) == ["- servers: LD_PRELOAD=/lib/a.so; OpenMP binding: core ids=[0]"]
+    assert rep.runtime_lines(runs) == ["- servers: LD_PRELOAD=/lib/a.so; OpenMP binding: core ids=[0]"]
 
 
 def test_vllm_medusa_gets_heads_converted_for_vllm(monkeypatch, tmp_path):
@@ -554,10 +562,10 @@ def test_vllm_medusa_gets_heads_converted_for_vllm(monkeypatch, tmp_path):
     monkeypatch.setattr(models, "cache_dir", lambda: tmp_path)
     calls = []
     monkeypatch.setattr(conv, "for_vllm_medusa", lambda src, model, dst: calls.append((src, model, dst)) or dst)
-    m = cp.Method("vllm-medusa", {"method": "medusa", "model": "/heads/medusa", "num_speculative_tokens": 4})
+    m = cm.Method("vllm-medusa", {"method": "medusa", "model": "/heads/medusa", "num_speculative_tokens": 4})
     out = cp.for_vllm(m, "/model")
     assert out.spec == {"method": "medusa", "model": str(tmp_path / "vllm-medusa" / "medusa"),
                         "num_speculative_tokens": 4}
-    assert calls == [(cp.Path("/heads/medusa"), "/model", tmp_path / "vllm-medusa" / "medusa")]
-    plain = cp.Method("plain", None)
+    assert calls == [(Path("/heads/medusa"), "/model", tmp_path / "vllm-medusa" / "medusa")]
+    plain = cm.Method("plain", None)
     assert cp.for_vllm(plain, "/model") is plain

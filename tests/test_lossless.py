@@ -102,7 +102,7 @@ def _prefix_heads(hydra_dir: str, model_dir: str, out) -> str:
     read). Trained prefix heads are not shipped; these test the serving path, not draft quality."""
     from vllm_entmtp.heads.hydra import HydraHeads, HydraHeadsConfig, load_hydra_heads
     from vllm_entmtp.heads.prefix import PrefixLayerConfig
-    from vllm_entmtp.training.train import init_heads_from
+    from vllm_entmtp.training.adapters import init_heads_from
 
     base = load_hydra_heads(hydra_dir)
     target = json.loads((Path(model_dir) / "config.json").read_text())

@@ -54,12 +54,15 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, default_model):
-    compare = load_benchmark("compare")
+    load_benchmark("compare")  # puts benchmarks/ on sys.path, where its server module is
+    from compare_methods import Method
+    from compare_server import Server, serve_command
+
     port = _free_port()
-    serve = compare.serve_command("vllm", default_model, compare.Method("entmtp", {"method": "entmtp"}), port,
-                                  enforce_eager=True, extra=SERVER_ARGS)
+    serve = serve_command("vllm", default_model, Method("entmtp", {"method": "entmtp"}), port, enforce_eager=True,
+                          extra=SERVER_ARGS)
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", *serve[1:]]  # the `vllm` command of this Python
-    with compare.Server(cmd, tmp_path_factory.mktemp("serve") / "server.log", port, 600, "entmtp") as s:
+    with Server(cmd, tmp_path_factory.mktemp("serve") / "server.log", port, 600, "entmtp") as s:
         yield s
 
 

@@ -9,6 +9,8 @@ import torch
 from vllm_entmtp.heads.medusa import MedusaHeads, MedusaHeadsConfig, load_heads
 from vllm_entmtp.training import data as D
 from vllm_entmtp.training import train as T
+from vllm_entmtp.training.adapters import HydraAdapter, HydraPrefixAdapter, MedusaAdapter, draft_vocabulary
+from vllm_entmtp.training.objective import evaluate, head_loss, sequence_order
 
 
 def _synthetic(V=64, H=64, n_seq=40, L=50, seed=0) -> tuple[D.CachedData, torch.Tensor]:
@@ -43,20 +45,20 @@ def test_heads_learn_trivial_mapping(mode):
     data, W = _synthetic()
     pos = data.positions(2, 0.0, heldout=False)
     heads = MedusaHeads(MedusaHeadsConfig(hidden_size=64, vocab_size=64, num_heads=2, num_hidden_layers=1))
-    before = T.evaluate(T.MedusaAdapter(heads, W), data, pos)["all"]["top1"]
+    before = evaluate(MedusaAdapter(heads, W), data, pos)["all"]["top1"]
     assert max(before) < 0.1  # untrained heads predict a_t itself, never a_t + k + 1
     opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
     losses = []
     for step in range(150):
         idx = pos[torch.randint(len(pos), (256,))]
-        loss, per_head = T.head_loss(heads(data.hidden[idx].float()), data.labels(idx, 2), W, mode, 8)
+        loss, per_head = head_loss(heads(data.hidden[idx].float()), data.labels(idx, 2), W, mode, 8)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
         assert len(per_head) == 2
     assert sum(losses[-10:]) < 0.2 * sum(losses[:10])
-    after = T.evaluate(T.MedusaAdapter(heads, W), data, pos)
+    after = evaluate(MedusaAdapter(heads, W), data, pos)
     assert min(after["all"]["top1"]) > 0.95 and min(after["all"]["top5"]) > 0.99
 
 
@@ -87,12 +89,12 @@ def test_hydra_heads_learn_what_depends_on_the_path_and_medusa_heads_cannot(draf
     hydra = HydraHeads(HydraHeadsConfig(hidden_size=64, vocab_size=V, hydra_num_heads=2,
                                         truncated_vocab_size=draft_vocab))
     if draft_vocab is not None:
-        vocab, coverage = T.draft_vocabulary(data, pos, draft_vocab)
+        vocab, coverage = draft_vocabulary(data, pos, draft_vocab)
         assert len(vocab) == draft_vocab and 0.7 < coverage < 1.0
         hydra.token_map.copy_(vocab)
     medusa = MedusaHeads(MedusaHeadsConfig(hidden_size=64, vocab_size=V, num_heads=2))
     results = {}
-    for name, adapter in (("hydra", T.HydraAdapter(hydra, W, E)), ("medusa", T.MedusaAdapter(medusa, W))):
+    for name, adapter in (("hydra", HydraAdapter(hydra, W, E)), ("medusa", MedusaAdapter(medusa, W))):
         opt = torch.optim.AdamW(adapter.heads.parameters(), lr=1e-2)
         for step in range(200):
             idx = pos[torch.randint(len(pos), (256,))]
@@ -102,13 +104,13 @@ def test_hydra_heads_learn_what_depends_on_the_path_and_medusa_heads_cannot(draf
                 y = adapter.col_of[y]
                 mask = y >= 0
                 y = y.clamp(min=0)
-            loss, _ = T.head_loss(adapter.outputs(data, idx), y, adapter.w_cols, "full", 0, mask=mask,
+            loss, _ = head_loss(adapter.outputs(data, idx), y, adapter.w_cols, "full", 0, mask=mask,
                                   teacher_h=torch.stack([data.hidden[idx + k + 1] for k in range(2)]).float(),
                                   teacher_weight=0.5)
             opt.zero_grad()
             loss.backward()
             opt.step()
-        results[name] = T.evaluate(adapter, data, pos)["all"]["top1"]
+        results[name] = evaluate(adapter, data, pos)["all"]["top1"]
     # Hydra: every label whose token is in the draft vocabulary is right
     in_vocab = 1.0 if draft_vocab is None else coverage
     assert min(results["hydra"]) > 0.95 * in_vocab
@@ -119,8 +121,8 @@ def test_sampled_loss_matches_full_when_candidates_cover_vocab():
     torch.manual_seed(0)
     W = torch.randn(10, 8)
     z, y = torch.randn(2, 5, 8), torch.randint(10, (2, 5))
-    full, _ = T.head_loss(z, y, W, "full", 0)
-    sampled, _ = T.head_loss(z, y, W, "sampled", 1000)  # 1000 random ids cover all 10 tokens
+    full, _ = head_loss(z, y, W, "full", 0)
+    sampled, _ = head_loss(z, y, W, "sampled", 1000)  # 1000 random ids cover all 10 tokens
     assert torch.allclose(full, sampled, atol=1e-6)
 
 
@@ -220,11 +222,11 @@ def test_masked_loss_uses_only_selected_positions():
     mask = torch.tensor([[1, 1, 0, 1, 0, 0], [0, 1, 0, 0, 0, 1]], dtype=torch.bool)
     want = torch.stack([torch.nn.functional.cross_entropy(z[k][mask[k]] @ W.t(), y[k][mask[k]]) for k in range(2)])
     for mode in ("full", "sampled"):
-        got, per_head = T.head_loss(z, y, W, mode, 1000, mask=mask)
+        got, per_head = head_loss(z, y, W, mode, 1000, mask=mask)
         assert torch.allclose(got, want.mean(), atol=1e-6)
         assert per_head == pytest.approx(want.tolist(), abs=1e-5)
     # a head without any selected position contributes zero
-    got, per_head = T.head_loss(z, y, W, "full", 0, mask=torch.zeros(2, 6, dtype=torch.bool))
+    got, per_head = head_loss(z, y, W, "full", 0, mask=torch.zeros(2, 6, dtype=torch.bool))
     assert float(got) == 0.0 and per_head == [0.0, 0.0]
 
 
@@ -279,16 +281,16 @@ def test_a_prefix_layer_learns_from_the_context_what_plain_hydra_heads_cannot():
     results = {}
     for name, extra in (("prefix", {"hydra_head_arch": "prefix-mlp", "prefix_layer": shape}), ("plain", {})):
         heads = HydraHeads(HydraHeadsConfig(hidden_size=64, vocab_size=48, hydra_num_heads=2, **extra))
-        adapter = T.HydraPrefixAdapter(heads, lm, E) if extra else T.HydraAdapter(heads, lm, E)
+        adapter = HydraPrefixAdapter(heads, lm, E) if extra else HydraAdapter(heads, lm, E)
         opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
-        order = T.sequence_order(data, pos, torch.Generator().manual_seed(0))
+        order = sequence_order(data, pos, torch.Generator().manual_seed(0))
         for step in range(150):
             idx = pos[order[(step * 128) % len(pos):][:128]]
-            loss, _ = T.head_loss(adapter.outputs(data, idx), data.labels(idx, 2), adapter.w_cols, "full", 0)
+            loss, _ = head_loss(adapter.outputs(data, idx), data.labels(idx, 2), adapter.w_cols, "full", 0)
             opt.zero_grad()
             loss.backward()
             opt.step()
-        results[name] = T.evaluate(adapter, fresh, fresh.positions(2, 0.0, heldout=False))["all"]["top1"]
+        results[name] = evaluate(adapter, fresh, fresh.positions(2, 0.0, heldout=False))["all"]["top1"]
     assert min(results["prefix"]) > 0.9, results
     assert max(results["plain"]) < 0.4, results  # chance: 1/6
 
@@ -296,7 +298,7 @@ def test_a_prefix_layer_learns_from_the_context_what_plain_hydra_heads_cannot():
 def test_sequence_order_keeps_sequences_together():
     data, _, _ = _keyed_text(n_seq=5, L=6)
     pos = data.positions(2, 0.0, heldout=False)
-    order = T.sequence_order(data, pos, torch.Generator().manual_seed(1))
+    order = sequence_order(data, pos, torch.Generator().manual_seed(1))
     assert sorted(order.tolist()) == list(range(len(pos)))
     seqs = (pos[order] // 6).tolist()
     assert [s for i, s in enumerate(seqs) if i == 0 or seqs[i - 1] != s] == list(dict.fromkeys(seqs))  # one run each

@@ -19,6 +19,10 @@ What it does (``vllm-entmtp train-heads``; every stage resumes from ``--work-dir
    the label, as during greedy decoding), printed and stored in the checkpoint's ``config.json`` under
    ``entmtp`` together with the exact command, the data counts and the seed.
 
+Where each part lives (``vllm_entmtp.training``): ``data`` (documents, plan, shards) and ``target_data`` (the
+target's pass and the data of a run); ``adapters`` (the heads and their view of the cached data); ``objective``
+(loss, learning-rate schedule, evaluation); this module: the command, the training loop and the saved record.
+
 Cost, measured on the project's shared 2-core AVX2 CPU (no AVX-512, no AMX; other jobs running): a float32
 49,152 x 576 matmul runs at 10-25 GFLOP/s, the target pass at 60-100 tokens/s, and bfloat16 matmuls are ~30x
 *slower* than float32 (no native bf16), so bf16 is out. The loss is dominated by the shared 49,152 x 576
@@ -51,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import sys
@@ -59,9 +62,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from vllm_entmtp.training import data as D
+from vllm_entmtp.training.adapters import adapter_for, draft_vocabulary, init_heads_from, load_trained, new_heads
+from vllm_entmtp.training.objective import evaluate, format_eval, head_loss, lr_at, sequence_order
+from vllm_entmtp.training.target_data import prepare_data
 
 CKPT_NAME = "ckpt.pt"
 
@@ -180,303 +185,6 @@ def _atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _load_target(model_dir: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    for prm in model.parameters():
-        prm.requires_grad_(False)
-    return tok, model
-
-
-def prepare_data(args, model_dir: str, log=_log) -> tuple[D.CachedData, dict]:
-    """Plan, run the target over the missing shards (unless ``--cached-only``), load all cached shards.
-
-    With ``--recorded DIR``: the target's own greedy generations recorded from vLLM instead of the text cache."""
-    if getattr(args, "recorded", None):
-        from vllm_entmtp.training.record import load_recorded
-
-        _, model = _load_target(model_dir)
-        return load_recorded(args.recorded), _target_info(model)
-    data_dir = Path(args.work_dir) / "data"
-    cfg = {"model": str(model_dir), "positions": args.positions, "mix": args.mix, "max_len": args.max_len,
-           "seed": args.seed}
-    if getattr(args, "generated", None):  # only then: work dirs of text-only data keep their config
-        cfg["generated"] = str(Path(args.generated).resolve())
-    extra_paths, exclude = [], set()
-    if getattr(args, "extra_data", None):
-        cfg["extra_data"] = [str(Path(x).resolve()) for x in args.extra_data]
-        for x in args.extra_data:
-            paths, ids = extra_data(Path(x), str(model_dir), args.max_len, args.shard_tokens)
-            extra_paths += paths
-            exclude |= ids
-    cfg_file = data_dir / "data_config.json"
-    if cfg_file.is_file():
-        old = json.loads(cfg_file.read_text())
-        if old != cfg:
-            raise SystemExit(f"{data_dir} holds data built with {old}, not {cfg}: use another --work-dir")
-    data_dir.mkdir(parents=True, exist_ok=True)
-    cfg_file.write_text(json.dumps(cfg, indent=2))
-    tok, model = _load_target(model_dir)
-    plan = D.load_or_build_plan(data_dir, tok, args.positions, args.mix, args.max_len, args.seed, log=log,
-                                generated=getattr(args, "generated", None), exclude=exclude)
-    n_shards = len(D.shard_ranges(plan, args.shard_tokens))
-    if args.shards is not None:
-        plan = plan[:D.shard_ranges(plan, args.shard_tokens)[min(args.shards, n_shards) - 1][1]]
-        n_shards = min(args.shards, n_shards)
-    if args.cached_only:
-        paths = [D.shard_path(data_dir, k) for k in range(n_shards)]
-        paths = paths[:next((i for i, p in enumerate(paths) if not p.is_file()), len(paths))]
-        if not paths:
-            raise SystemExit(f"--cached-only: no cached shards in {data_dir}")
-        log(f"--cached-only: using {len(paths)} of {n_shards} shards")
-    else:
-        W = model.get_output_embeddings().weight.detach()
-        paths = D.cache_shards(model, W, plan, data_dir, args.shard_tokens, args.target_batch_tokens,
-                               tok.pad_token_id if tok.pad_token_id is not None else 0, log=log)
-    if extra_paths:
-        log(f"--extra-data: {len(extra_paths)} cached shards of {', '.join(args.extra_data)} besides these {len(paths)}")
-    data = D.load_shards(paths + extra_paths)
-    return data, _target_info(model)
-
-
-def extra_data(work_dir: Path, model_dir: str, max_len: int, shard_tokens: int) -> tuple[list[Path], set[str]]:
-    """The cached shards of another work dir and the ids of the documents they hold (``--extra-data``).
-
-    Raises:
-        SystemExit: not a work dir with a complete target pass, or one of another target or ``--max-len``
-            (names the folder and both values).
-    """
-    data_dir = work_dir / "data"
-    cfg_file = data_dir / "data_config.json"
-    plan = D.read_plan(data_dir) if cfg_file.is_file() else None
-    if plan is None:
-        raise SystemExit(f"--extra-data {work_dir}: no train-heads data there ({cfg_file} and "
-                         f"{data_dir / D.PLAN_NAME})")
-    cfg = json.loads(cfg_file.read_text())
-    for key, want in (("model", str(model_dir)), ("max_len", max_len)):
-        if cfg.get(key) != want:
-            raise SystemExit(f"--extra-data {work_dir}: its data has {key}={cfg.get(key)!r}, this run {want!r}")
-    paths = [D.shard_path(data_dir, k) for k in range(len(D.shard_ranges(plan, shard_tokens)))]
-    missing = [p.name for p in paths if not p.is_file()]
-    if D.shard_path(data_dir, len(paths)).is_file():
-        raise SystemExit(f"--extra-data {work_dir}: it holds more shards than its plan makes with --shard-tokens "
-                         f"{shard_tokens}: pass the --shard-tokens it was cached with")
-    if missing:
-        raise SystemExit(f"--extra-data {work_dir}: its target pass is incomplete ({len(missing)} of {len(paths)} "
-                         f"shards missing, e.g. {missing[0]}; run train-heads --cache-only there first, with the "
-                         f"same --shard-tokens)")
-    return paths, {x.doc_id for x in plan}
-
-
-def _target_info(model) -> dict:
-    return {"hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size,
-            "config": model.config.to_dict(),
-            "lm_head": model.get_output_embeddings().weight.detach().float().clone(),
-            "embed": model.get_input_embeddings().weight.detach().float().clone()}
-
-
-class MedusaAdapter:
-    """Training view of Medusa heads: every head reads ``h_t``; logits over the whole vocabulary."""
-
-    def __init__(self, heads, lm_head: torch.Tensor):
-        self.heads, self.w_cols, self.col_of = heads, lm_head, None
-
-    def outputs(self, data: D.CachedData, pos: torch.Tensor) -> torch.Tensor:
-        """``[K, N, hidden]`` head hidden states at positions ``pos``."""
-        return self.heads(data.hidden[pos].float())
-
-    def to_tokens(self, cols: torch.Tensor) -> torch.Tensor:
-        return cols
-
-
-class HydraAdapter:
-    """Training view of Hydra heads: head ``k`` at ``t`` reads ``h_t`` and the input embeddings of the text
-    tokens ``t+1 .. t+k+1`` (during decoding: the bonus token and the path's draft tokens); logits over the
-    draft vocabulary (``token_map``) when it is truncated."""
-
-    def __init__(self, heads, lm_head: torch.Tensor, embed: torch.Tensor):
-        self.heads, self.embed = heads, embed
-        self.w_cols = heads.draft_lm_weight(lm_head)
-        self.col_of = None
-        if heads.token_map is not None:
-            self.col_of = torch.full((lm_head.shape[0],), -1, dtype=torch.long)
-            self.col_of[heads.token_map] = torch.arange(len(heads.token_map))
-
-    def outputs(self, data: D.CachedData, pos: torch.Tensor) -> torch.Tensor:
-        K = self.heads.num_heads
-        emb = self.embed[torch.stack([data.tokens[pos + j + 1] for j in range(K)], dim=1)]  # [N, K, H]
-        h = data.hidden[pos].float()
-        return torch.stack([self.heads.hidden_states(k, h, emb) for k in range(K)])
-
-    def to_tokens(self, cols: torch.Tensor) -> torch.Tensor:
-        return self.heads.to_token_ids(cols)
-
-
-class HydraPrefixAdapter(HydraAdapter):
-    """Training view of Hydra++ ``prefix-mlp`` heads: the heads read ``p_t``, the prefix layer's output at ``t``
-    over the target's hidden states of the sequence from its first token to ``t`` (positions counted from the
-    sequence start, as in serving, where they count from the prompt's first token)."""
-
-    def __init__(self, heads, lm_head: torch.Tensor, embed: torch.Tensor, seqs_per_pass: int = 8):
-        super().__init__(heads, lm_head, embed)
-        self.seqs_per_pass = seqs_per_pass
-
-    def prefix_at(self, data: D.CachedData, pos: torch.Tensor) -> torch.Tensor:
-        """``[len(pos), hidden]``: ``p_t`` at global positions ``pos`` (differentiable)."""
-        seq = data.sequence_of(pos)
-        uniq = seq.unique()
-        hid = data.hidden.shape[1]
-        idx_parts, val_parts = [], []
-        for c in range(0, len(uniq), self.seqs_per_pass):
-            group = uniq[c:c + self.seqs_per_pass]
-            starts = data.offsets[group]
-            in_group = torch.isin(seq, group)
-            row_of = {int(s): r for r, s in enumerate(group.tolist())}
-            rows = torch.tensor([row_of[int(s)] for s in seq[in_group].tolist()], dtype=torch.long)
-            cols = pos[in_group] - starts[rows]
-            length = int(cols.max()) + 1
-            x = torch.zeros(len(group), length, hid)
-            for r, s0 in enumerate(starts.tolist()):
-                n = min(length, int(data.offsets[group[r] + 1]) - s0)
-                x[r, :n] = data.hidden[s0:s0 + n].float()
-            p, _ = self.heads.prefix(x, torch.arange(length).expand(len(group), length))
-            idx_parts.append(in_group.nonzero().squeeze(1))
-            val_parts.append(p[rows, cols])
-        return torch.zeros(len(pos), hid).index_copy(0, torch.cat(idx_parts), torch.cat(val_parts))
-
-    def outputs(self, data: D.CachedData, pos: torch.Tensor) -> torch.Tensor:
-        K = self.heads.num_heads
-        emb = self.embed[torch.stack([data.tokens[pos + j + 1] for j in range(K)], dim=1)]  # [N, K, H]
-        h = self.prefix_at(data, pos)
-        return torch.stack([self.heads.hidden_states(k, h, emb) for k in range(K)])
-
-
-def init_heads_from(heads, trained) -> None:
-    """Copy every weight of ``trained`` heads into ``heads`` (the same kind and shape; ``heads`` may add a prefix
-    layer, which keeps its initialisation).
-
-    Raises:
-        SystemExit: a weight missing, extra or of another shape, named.
-    """
-    mine, theirs = heads.state_dict(), trained.state_dict()
-    extra = sorted(set(theirs) - set(mine))
-    missing = sorted(k for k in set(mine) - set(theirs) if not k.startswith("prefix_embeding_layer."))
-    shape = sorted(k for k in set(mine) & set(theirs) if mine[k].shape != theirs[k].shape)
-    if extra or missing or shape:
-        raise SystemExit(f"--init-heads: the heads do not match the ones being trained (same --num-heads, "
-                         f"--num-layers, --draft-vocab): extra {extra[:5]}, missing {missing[:5]}, "
-                         f"other shape {shape[:5]}")
-    heads.load_state_dict({**mine, **theirs})
-
-
-def sequence_order(data: D.CachedData, pos: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """A permutation of ``pos``'s indices that visits whole sequences in random order (positions of a sequence
-    together, in order): batches cut from it hold a few complete sequences, which the prefix layer runs once."""
-    seq = data.sequence_of(pos)
-    uniq = seq.unique()
-    rank = torch.empty(int(uniq.max()) + 1, dtype=torch.long)
-    rank[uniq] = torch.randperm(len(uniq), generator=gen)
-    return torch.sort(rank[seq] * (len(pos) + 1) + torch.arange(len(pos)), stable=True).indices
-
-
-def draft_vocabulary(data: D.CachedData, pos: torch.Tensor, size: int) -> tuple[torch.Tensor, float]:
-    """The ``size`` token ids the target emits (argmax) most often at ``pos``, sorted, and their coverage."""
-    counts = torch.bincount(data.argmax[pos], minlength=int(data.argmax.max()) + 1)
-    top = counts.topk(min(size, len(counts))).indices
-    return top.sort().values, float(counts[top].sum() / counts.sum())
-
-
-def _lr_at(step: int, total: int, args) -> float:
-    if step < args.warmup_steps:
-        return args.lr * (step + 1) / args.warmup_steps
-    frac = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-
-
-def head_loss(z: torch.Tensor, y: torch.Tensor, W: torch.Tensor, mode: str, negatives: int,
-              gen: torch.Generator | None = None, hard: torch.Tensor | None = None,
-              mask: torch.Tensor | None = None, teacher_h: torch.Tensor | None = None,
-              teacher_weight: float = 0.0) -> tuple[torch.Tensor, list[float]]:
-    """Mean loss over heads: ``z [K, B, H]`` head outputs, ``y [K, B]`` label columns of ``W [V, H]`` (the
-    lm_head, or its draft-vocabulary rows).
-
-    ``mask [K, B]`` (optional) selects the positions each head learns from. ``sampled``: softmax over the union
-    of the batch's labels, the columns ``hard`` (the target's own argmax at ``t``: what an untrained head
-    predicts) and ``negatives`` random columns. ``teacher_h [K, B, H]`` (optional): the target's hidden state at
-    each label's position; with ``teacher_weight`` w the loss is ``(1 - w) * CE(argmax) + w * CE(softmax(teacher))``
-    over the same columns (distillation from the target's distribution, Hydra++).
-    """
-    K = z.shape[0]
-    if mask is None:
-        mask = torch.ones(y.shape, dtype=torch.bool)
-    if mode == "sampled":
-        extra = torch.randint(W.shape[0], (negatives,), generator=gen)
-        parts = [y[mask], extra] + ([hard.flatten()] if hard is not None else [])
-        cand = torch.unique(torch.cat(parts))  # sorted
-        Wc = W[cand]
-        tgt = torch.searchsorted(cand, y.clamp(max=int(cand[-1])))  # masked-out labels are never read
-    else:
-        Wc, tgt = W, y
-    losses = []
-    for k in range(K):
-        m = mask[k]
-        if not m.any():
-            losses.append(z.sum() * 0.0)
-            continue
-        logits = z[k][m] @ Wc.t()
-        loss = F.cross_entropy(logits, tgt[k][m])
-        if teacher_h is not None and teacher_weight > 0.0:
-            with torch.no_grad():
-                soft = torch.softmax(teacher_h[k][m] @ Wc.t(), dim=-1)
-            soft_ce = -(soft * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-            loss = (1.0 - teacher_weight) * loss + teacher_weight * soft_ce
-        losses.append(loss)
-    return torch.stack(losses).mean(), [float(v.detach()) for v in losses]
-
-
-@torch.no_grad()
-def evaluate(adapter, data: D.CachedData, pos: torch.Tensor, chunk: int = 1024) -> dict:
-    """Top-1/top-5 accuracy per head on positions ``pos`` (over the heads' whole output vocabulary: the full
-    one, or the draft vocabulary, whose misses count as errors): all, greedy-path, assistant-only."""
-    heads = adapter.heads
-    K = heads.num_heads
-    y = data.labels(pos, K)
-    path = data.on_greedy_path(pos, K)
-    asst = data.assistant[pos]
-    top1 = torch.zeros(K, len(pos), dtype=torch.bool)
-    top5 = torch.zeros(K, len(pos), dtype=torch.bool)
-    was_training = heads.training
-    heads.eval()
-    for c in range(0, len(pos), chunk):
-        z = adapter.outputs(data, pos[c:c + chunk])
-        for k in range(K):
-            t5 = adapter.to_tokens((z[k] @ adapter.w_cols.t()).topk(5, dim=-1).indices)
-            yk = y[k, c:c + chunk]
-            top1[k, c:c + chunk] = t5[:, 0] == yk
-            top5[k, c:c + chunk] = (t5 == yk[:, None]).any(-1)
-    heads.train(was_training)
-
-    def acc(mask_k):
-        return {"top1": [round(float(top1[k][mask_k(k)].float().mean()), 4) for k in range(K)],
-                "top5": [round(float(top5[k][mask_k(k)].float().mean()), 4) for k in range(K)]}
-
-    return {"positions": len(pos),
-            "all": acc(lambda k: slice(None)),
-            "greedy_path": {**acc(lambda k: path[k]), "positions": [int(path[k].sum()) for k in range(K)]},
-            "assistant": {**acc(lambda k: asst), "positions": int(asst.sum())}}
-
-
-def _fmt_eval(ev: dict) -> str:
-    lines = [f"held-out positions: {ev['positions']}"]
-    for name in ("all", "greedy_path", "assistant"):
-        r = ev[name]
-        lines.append(f"  {name:12s} top-1 " + " ".join(f"{v:.3f}" for v in r["top1"])
-                     + " | top-5 " + " ".join(f"{v:.3f}" for v in r["top5"]))
-    return "\n".join(lines)
-
-
 def _data_counts(data: D.CachedData, train_pos: torch.Tensor, eval_pos: torch.Tensor, pct: float) -> dict:
     by_src: dict[str, dict] = {}
     lens = (data.offsets[1:] - data.offsets[:-1]).tolist()
@@ -489,30 +197,6 @@ def _data_counts(data: D.CachedData, train_pos: torch.Tensor, eval_pos: torch.Te
             "train_positions": len(train_pos), "heldout_positions": len(eval_pos),
             "labelled_positions": len(train_pos) + len(eval_pos)}
 
-
-def _new_heads(kind: str, cfg: dict):
-    if kind == "hydra":
-        from vllm_entmtp.heads.hydra import HydraHeads, HydraHeadsConfig
-        return HydraHeads(HydraHeadsConfig(**cfg))
-    from vllm_entmtp.heads.medusa import MedusaHeads, MedusaHeadsConfig
-    return MedusaHeads(MedusaHeadsConfig(**cfg))
-
-
-def _load_trained(kind: str, path: Path, info: dict):
-    if kind == "hydra":
-        from vllm_entmtp.heads.hydra import load_hydra_heads
-        return load_hydra_heads(path, hidden_size=info["hidden_size"], vocab_size=info["vocab_size"])
-    from vllm_entmtp.heads.medusa import load_heads
-    return load_heads(path, hidden_size=info["hidden_size"], vocab_size=info["vocab_size"])
-
-
-def _adapter(heads, info: dict):
-    from vllm_entmtp.heads.hydra import HydraHeads
-    if isinstance(heads, HydraHeads):
-        if heads.prefix_embeding_layer is not None:
-            return HydraPrefixAdapter(heads, info["lm_head"], info["embed"])
-        return HydraAdapter(heads, info["lm_head"], info["embed"])
-    return MedusaAdapter(heads, info["lm_head"])
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -528,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
         args.model = str(prepare_default_model())
     work = Path(args.work_dir)
     out = Path(args.out) if args.out else work / "heads"
-    data, info = prepare_data(args, args.model)
+    data, info = prepare_data(args, args.model, log=_log)
     if args.cache_only:
         _log(f"data cache ready in {work / 'data'}")
         return 0
@@ -547,13 +231,13 @@ def run(args: argparse.Namespace) -> int:
     if args.eval_only:
         src = out if (out / "config.json").is_file() else None
         if src is not None:
-            heads = _load_trained(args.kind, src, info)
+            heads = load_trained(args.kind, src, info)
         else:
             ck = torch.load(work / "train" / CKPT_NAME, weights_only=False)
-            heads = _new_heads(args.kind, ck["config"])
+            heads = new_heads(args.kind, ck["config"])
             heads.load_state_dict(ck["heads"])
-        ev = evaluate(_adapter(heads, info), data, eval_pos)
-        print(_fmt_eval(ev), flush=True)
+        ev = evaluate(adapter_for(heads, info), data, eval_pos)
+        print(format_eval(ev), flush=True)
         print(json.dumps(ev))
         return 0
 
@@ -573,10 +257,10 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("--draft-vocab is for --kind hydra")
         cfg = {"hidden_size": info["hidden_size"], "vocab_size": info["vocab_size"], "num_heads": K,
                "num_hidden_layers": args.num_layers, "medusa_fc_bias": True, "original_lm_head": True}
-    heads = _new_heads(args.kind, cfg)
+    heads = new_heads(args.kind, cfg)
     cfg = heads.config
     if args.init_heads:
-        init_heads_from(heads, _load_trained(args.kind, Path(args.init_heads), info))
+        init_heads_from(heads, load_trained(args.kind, Path(args.init_heads), info))
         _log(f"heads initialised from {args.init_heads}" + (" (draft vocabulary included)"
                                                             if heads.token_map is not None else ""))
     elif args.draft_vocab is not None:
@@ -584,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
         heads.token_map.copy_(vocab)
         _log(f"draft vocabulary: the {len(vocab)} most frequent target argmax tokens cover {coverage:.1%} of "
              "the training positions")
-    adapter = _adapter(heads, info)
+    adapter = adapter_for(heads, info)
     opt = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     steps_per_epoch = max(1, len(train_pos) // args.batch_size)
     total = max(1, int(round(args.epochs * steps_per_epoch)))
@@ -629,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
             idx = train_pos[perm[i * args.batch_size:(i + 1) * args.batch_size]]
             gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
             for grp in opt.param_groups:
-                grp["lr"] = _lr_at(step, total, args)
+                grp["lr"] = lr_at(step, total, args)
             y = data.labels(idx, K)
             mask = data.on_greedy_path(idx, K) if args.train_on == "greedy-path" else torch.ones_like(y, dtype=bool)
             hard = data.argmax[idx]
@@ -663,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
                 save_ckpt()
     _log("final held-out evaluation")
     ev = evaluate(adapter, data, eval_pos)
-    print(_fmt_eval(ev), flush=True)
+    print(format_eval(ev), flush=True)
     cfg.entmtp = {
         "target": Path(args.model).name,
         "command": "vllm-entmtp train-heads " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["train-heads"]

@@ -1,0 +1,146 @@
+"""From the runs of one ``benchmarks/compare.py`` run to one row per method, task and concurrency (statistics over
+the repeats, ratios against the baselines taken within each repeat), and the project's targets read against
+them."""
+from __future__ import annotations
+
+import math
+
+import throughput as tp
+from compare_methods import BASELINES
+
+
+def stat(values: list[float]) -> dict | None:
+    """``{"mean", "min", "max", "std", "n"}`` of the values that are not None; None when there are none."""
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return None
+    mean = sum(vals) / len(vals)
+    return {"mean": mean, "min": min(vals), "max": max(vals),
+            "std": math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals)), "n": len(vals)}
+
+
+def merge_tree_choice(tree_choices: list[dict]) -> dict:
+    """The ``vllm:entmtp_tree_chosen`` counts of several levels' ``tree_choice``, summed per label set."""
+    merged: dict[str, float] = {}
+    for tc in tree_choices:
+        for labels, n in (tc or {}).get(tp.CHOSEN_FAMILY, {}).items():
+            merged[labels] = merged.get(labels, 0) + n
+    return {tp.CHOSEN_FAMILY: merged}
+
+
+def pooled_mal(levels: list[dict]) -> float | None:
+    """1 + accepted / drafts over several levels' ``spec_decode`` counters (None without drafts)."""
+    drafts = accepted = 0
+    for lv in levels:
+        sd = lv.get("spec_decode") or {}
+        drafts += sd.get("num_drafts") or 0
+        accepted += sd.get("num_accepted_tokens") or 0
+    return 1 + accepted / drafts if drafts else None
+
+
+def _levels_by_key(runs: list[dict]) -> dict[tuple, dict[int, dict]]:
+    """``{(method, task, concurrency): {repeat: level}}``."""
+    out: dict[tuple, dict[int, dict]] = {}
+    for run in runs:
+        for lv in run["levels"]:
+            out.setdefault((run["method"], run["task"], lv["concurrency"]), {})[run["repeat"]] = lv
+    return out
+
+
+def aggregate(runs: list[dict]) -> list[dict]:
+    """One row per (method, task, concurrency), all from ``runs`` (one compare run): statistics over the repeats
+    of output tokens/s, median TPOT/TTFT and MAL (incl. bonus); ratios of output tokens/s vs ``plain`` and each
+    baseline that ran, taken per repeat (same repeat, so measured side by side) and then averaged; tree-choice
+    shares of the counts pooled over the repeats."""
+    by_key = _levels_by_key(runs)
+    rows = []
+    for (method, task, conc), reps in by_key.items():
+        def metric(name, reps=reps):
+            return stat([lv.get(name) for lv in reps.values()])
+
+        ratios = {}
+        for base in ("plain", *BASELINES):
+            base_reps = by_key.get((base, task, conc), {})
+            ratios[base] = stat([lv["output_throughput"] / base_reps[r]["output_throughput"]
+                                 for r, lv in reps.items()
+                                 if r in base_reps and lv.get("output_throughput") is not None
+                                 and base_reps[r].get("output_throughput")])
+        rows.append({
+            "method": method, "task": task, "concurrency": conc, "repeats": sorted(reps),
+            "completed": sum(lv.get("completed", 0) for lv in reps.values()),
+            "failed": sum(lv.get("failed", 0) for lv in reps.values()),
+            "output_throughput": metric("output_throughput"), "median_tpot_ms": metric("median_tpot_ms"),
+            "median_ttft_ms": metric("median_ttft_ms"),
+            "mal": stat([(lv.get("spec_decode") or {}).get("mean_acceptance_length_incl_bonus")
+                         for lv in reps.values()]),
+            "ratios": {k: v for k, v in ratios.items() if v is not None},
+            "tree_choice_shares": tp.tree_choice_shares(merge_tree_choice([lv.get("tree_choice")
+                                                                           for lv in reps.values()])),
+        })
+    return rows
+
+
+#: The project's targets for ``{"method": "entmtp"}`` (the method ``entmtp``), read against a run as it came out
+#: (never tuned for): output tokens/s over plain decoding at concurrency 1, per task.
+SPEEDUP_TARGETS = {"humaneval": 1.6, "gsm8k": 1.6, "sharegpt": 1.3, "creative": 1.3}
+VS_BASELINE_TARGETS = {"ngram": 1.6, "vllm-medusa": 1.36}  # on at least one task, concurrency 1
+VS_HYDRA_TARGET = 1.15  # over hydra-tree, mean of the four tasks' ratios, concurrency 1
+LOAD_CONCURRENCY = 16  # never below plain decoding at this concurrency
+MEMORY_TARGET = 1.10  # peak server memory over plain's
+
+
+def peak_memory(runs: list[dict]) -> dict[str, float]:
+    """Per method, the largest ``server_peak_rss_mib`` over its runs (MiB); methods without a reading left out."""
+    out: dict[str, float] = {}
+    for run in runs:
+        v = run.get("server_peak_rss_mib")
+        if v is not None:
+            out[run["method"]] = max(out.get(run["method"], 0.0), float(v))
+    return out
+
+
+def targets(doc: dict, method: str = "entmtp") -> list[dict]:
+    """The project's targets read against this run: one ``{"target", "needed", "measured", "met"}`` per target,
+    ``met`` None where the run lacks what the target needs (a method, task or concurrency level it did not run)."""
+    rows = {(r["method"], r["task"], r["concurrency"]): r for r in doc["aggregate"]}
+
+    def ratio(task, conc, base):
+        r = rows.get((method, task, conc))
+        st = r and r["ratios"].get(base)
+        return st["mean"] if st else None
+
+    def verdict(ok, have):
+        return bool(ok) if have else None
+
+    out = []
+    for task, need in SPEEDUP_TARGETS.items():
+        v = ratio(task, 1, "plain")
+        out.append({"target": f"{method} / plain, {task}, concurrency 1", "needed": f">= {need:.2f}x",
+                    "measured": "-" if v is None else f"{v:.2f}x", "met": verdict(v is not None and v >= need,
+                                                                                   v is not None)})
+    for base, need in VS_BASELINE_TARGETS.items():
+        got = {t: ratio(t, 1, base) for t in SPEEDUP_TARGETS}
+        got = {t: v for t, v in got.items() if v is not None}
+        best = max(got.items(), key=lambda kv: kv[1]) if got else None
+        out.append({"target": f"{method} / {base}, best task, concurrency 1", "needed": f">= {need:.2f}x on one task",
+                    "measured": "-" if best is None else f"{best[1]:.2f}x ({best[0]}); "
+                    + ", ".join(f"{t} {v:.2f}x" for t, v in got.items()),
+                    "met": verdict(best is not None and best[1] >= need, best is not None)})
+    got = [ratio(t, 1, "hydra-tree") for t in SPEEDUP_TARGETS]
+    have = all(v is not None for v in got)
+    mean = sum(got) / len(got) if have else None
+    out.append({"target": f"{method} / hydra-tree, mean of the four tasks, concurrency 1",
+                "needed": f">= {VS_HYDRA_TARGET:.2f}x", "measured": "-" if mean is None else f"{mean:.2f}x",
+                "met": verdict(have and mean >= VS_HYDRA_TARGET, have)})
+    got = {t: ratio(t, LOAD_CONCURRENCY, "plain") for t in SPEEDUP_TARGETS}
+    have = all(v is not None for v in got.values())
+    out.append({"target": f"{method} / plain, every task, concurrency {LOAD_CONCURRENCY}", "needed": ">= 1.00x",
+                "measured": "-" if not have else ", ".join(f"{t} {v:.2f}x" for t, v in got.items()),
+                "met": verdict(have and min(got.values()) >= 1.0, have)})
+    mem = peak_memory(doc["runs"])
+    have = method in mem and "plain" in mem
+    out.append({"target": f"{method} peak server memory / plain's", "needed": f"<= {MEMORY_TARGET:.2f}x",
+                "measured": "-" if not have else f"{mem[method] / mem['plain']:.3f}x ({mem[method]:.0f} / "
+                f"{mem['plain']:.0f} MiB)", "met": verdict(have and mem[method] <= MEMORY_TARGET * mem["plain"],
+                                                           have)})
+    return out

@@ -1,0 +1,119 @@
+"""The methods ``benchmarks/compare.py`` compares: each a name and a ``--speculative-config`` (or none), which of
+them this checkout can run (its shipped heads and tree sets), the tasks, and the order they run in per repeat."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from throughput import BenchmarkError
+
+TASKS = ("humaneval", "gsm8k", "sharegpt", "creative")
+BASELINES = ("ngram", "vllm-medusa", "medusa-tree", "hydra-tree")  # each gets a "vs" column when it ran
+SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+STATIC_TREE = {"tree_set": "ladder", "tree_id": "mc12"}
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    spec: dict | None  # --speculative-config; None: no speculation
+    note: str = ""
+    only_task: str | None = None  # runs this task only (a tree set tuned to it); None: every task
+
+
+def is_entmtp(spec: dict | None) -> bool:
+    return bool(spec) and spec.get("method") == "entmtp"
+
+
+def method_order(tasks=TASKS) -> list[str]:
+    return ["plain", "ngram", "vllm-medusa", "medusa-tree", "hydra-tree", "entmtp",
+            *(f"entmtp-{t}" for t in tasks)]
+
+
+def method_table(heads: dict, tree_sets: dict, preferred_kinds=("hydra", "medusa")
+                 ) -> tuple[dict[str, Method], dict[str, str]]:
+    """``(available, skipped)``: the methods that can run, in report order, and ``{name: why not}``.
+
+    ``heads``: shipped heads ``{kind: dir}`` (:func:`vllm_entmtp.models.default_heads`); ``tree_sets``: ``{name:
+    file}`` (:func:`vllm_entmtp.trees.available_tree_sets`); ``preferred_kinds``: which heads ``{"method":
+    "entmtp"}`` takes (:data:`vllm_entmtp.models.PREFERRED_KINDS`).
+    """
+    available: dict[str, Method] = {}
+    skipped: dict[str, str] = {}
+
+    def add(name: str, spec: dict | None, note: str = "", missing: str | None = None,
+            only_task: str | None = None) -> None:
+        if missing:
+            skipped[name] = missing
+        else:
+            available[name] = Method(name, spec, note, only_task)
+
+    def no_heads(kind: str) -> str | None:
+        return None if kind in heads else f"no {kind.capitalize()} heads are shipped for {SERVED_MODEL_NAME}"
+
+    add("plain", None, "no speculation")
+    add("ngram", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+        "vLLM's prompt lookup: a chain of 4")
+    medusa = str(heads.get("medusa", ""))
+    add("vllm-medusa", {"method": "medusa", "model": medusa, "num_speculative_tokens": 4},
+        "vLLM's Medusa: a chain of 4", no_heads("medusa"))
+    add("medusa-tree", {"method": "entmtp", "model": medusa, **STATIC_TREE},
+        "entmtp, Medusa heads, static tree mc12", no_heads("medusa"))
+    add("hydra-tree", {"method": "entmtp", "model": str(heads.get("hydra", "")), **STATIC_TREE},
+        "entmtp, Hydra heads, static tree mc12", no_heads("hydra"))
+    kind = next((k for k in preferred_kinds if k in heads), None)
+    add("entmtp", {"method": "entmtp"}, f"entmtp defaults: {kind} heads, trees of the set 'default' scheduled "
+        "by its schedule's signal", None if kind else f"no heads are shipped for {SERVED_MODEL_NAME}")
+    for task in TASKS:
+        missing = (None if task in tree_sets else f"no tree set named {task!r} (trees/{task}.json)") \
+            or (None if kind else f"no heads are shipped for {SERVED_MODEL_NAME}")
+        add(f"entmtp-{task}", {"method": "entmtp", "tree_set": task},
+            f"entmtp, tree set {task}, scheduled by its signal ({task} only)", missing, only_task=task)
+    return available, skipped
+
+
+def shipped_method_table() -> tuple[dict[str, Method], dict[str, str]]:
+    """:func:`method_table` of the heads and tree sets this checkout ships."""
+    from vllm_entmtp.models import PREFERRED_KINDS, default_heads
+    from vllm_entmtp.trees import available_tree_sets
+
+    return method_table(default_heads(), available_tree_sets(), PREFERRED_KINDS)
+
+
+def select_methods(text: str | None, available: dict[str, Method], skipped: dict[str, str]) -> list[Method]:
+    """Methods named in ``text`` (comma-separated, None: all available), in the order given."""
+    if text is None:
+        return list(available.values())
+    names = _split_list(text, "--methods")
+    out = []
+    for name in names:
+        if name in skipped:
+            raise BenchmarkError(f"method {name!r} is not available: {skipped[name]}")
+        if name not in available:
+            raise BenchmarkError(f"unknown method {name!r}; known: {', '.join(method_order())}")
+        out.append(available[name])
+    return out
+
+
+def parse_tasks(text: str) -> list[str]:
+    tasks = _split_list(text, "--tasks")
+    for t in tasks:
+        if t not in TASKS:
+            raise BenchmarkError(f"unknown task {t!r}; tasks: {', '.join(TASKS)}")
+    return tasks
+
+
+def _split_list(text: str, option: str) -> list[str]:
+    """``"a, b,a"`` -> ``["a", "b"]`` (first occurrence kept); an empty list is an error."""
+    items = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    if not items:
+        raise BenchmarkError(f"{option} needs at least one name, got {text!r}")
+    return items
+
+
+def interleaved_order(methods: list, repeat: int) -> list:
+    """The order of ``methods`` in repeat ``repeat`` (0-based): rotated left by ``repeat``, so that over
+    ``len(methods)`` repeats every method runs once in every position."""
+    if not methods:
+        return []
+    k = repeat % len(methods)
+    return methods[k:] + methods[:k]

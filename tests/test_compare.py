@@ -43,7 +43,7 @@ def checkout(tmp_path, monkeypatch):
         for name in tree_sets:
             (shipped / f"{name}.json").write_text("{}")
         monkeypatch.setattr(models, "_ASSETS", assets)
-        monkeypatch.setattr(trees, "shipped_trees_dir", lambda: shipped)
+        monkeypatch.setattr(trees.tree_sets, "shipped_trees_dir", lambda: shipped)
         monkeypatch.delenv(trees.TREES_ENV, raising=False)
         return cm.shipped_method_table()
 

@@ -1,5 +1,10 @@
-"""Checkpoint layouts of MTP heads: detection, strict reading, writing, and `vllm-entmtp convert-heads`."""
+"""Checkpoint layouts of MTP heads: detection, strict reading, writing, and `vllm-entmtp convert-heads`; the
+`vllm-entmtp` command's own options and help texts."""
+import argparse
+import importlib
+import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from conftest import make_heads, write_public_checkpoint
+from vllm_entmtp.cli import COMMANDS
 from vllm_entmtp.cli import main as cli_main
 from vllm_entmtp.errors import HeadsCheckpointError
 from vllm_entmtp.heads.formats import (LAYOUTS, detect_layout, load_any_heads, read_any_heads_config,
@@ -140,6 +146,35 @@ def test_cli_subprocess(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "fasterdecoding layout: 3 heads x 2 layers, hidden 16, vocab 50, own lm_head per head" in r.stdout
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_cli_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"vllm-entmtp {importlib.metadata.version('vllm-entmtp')}\n"
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_cli_help_is_plain_text(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main([command, "--help"] if command else ["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: vllm-entmtp" in out
+    assert "``" not in out and not re.search(r":[a-z]+:`", out), out  # no reST markup
+
+
+def _parser_of(command: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    importlib.import_module(COMMANDS[command][0]).add_arguments(p)
+    return p
+
+
+def test_cli_one_line_helps_say_what_the_commands_default_to_and_support():
+    assert f"{_parser_of('build-trees').get_default('signal')} by default" in COMMANDS["build-trees"][1]
+    kinds = next(a.choices for a in _parser_of("train-heads")._actions if a.dest == "kind")
+    assert all(k in COMMANDS["train-heads"][1].lower() for k in kinds)
 
 
 def test_destination_must_be_empty(tmp_path):

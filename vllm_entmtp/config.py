@@ -153,6 +153,12 @@ def resolve_policy(options: EntMTPConfig, num_speculative_tokens_given: bool, nu
     return options.model_copy(update={"policy": signal, "tree_set": options.tree_set or DEFAULT_TREE_SET})
 
 
+def option_default(key: str) -> Any:
+    """The default of the entmtp option ``key``: :class:`EntMTPConfig`'s field default, the one place it is
+    written (the scheduler's keyword defaults read it)."""
+    return EntMTPConfig.model_fields[key].default
+
+
 def entmtp_keys() -> list[str]:
     """The keys :class:`EntMTPConfig` accepts, in declaration order."""
     return list(EntMTPConfig.model_fields)

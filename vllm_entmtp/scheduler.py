@@ -79,6 +79,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from vllm_entmtp.config import option_default
 from vllm_entmtp.entropy import Signals, drop_missing
 from vllm_entmtp.errors import EntMTPError
 from vllm_entmtp.step_costs import StepCosts
@@ -92,7 +93,10 @@ the slope of plain decoding's time per output token over 1, 4 and 16 requests in
 ``benchmarks/results/compare-2026-11-30/`` (HumanEval: 76.0, 94.6 and 155.6 ms; 5.1 ms per request / 76 ms)."""
 DEFAULT_MAX_VERIFY_TOKENS = 32
 """Default cap on the tokens verified per step (draft nodes + one root per request), see :func:`node_budget`."""
-DEFAULT_HYSTERESIS = 0.05
+# the options' defaults, written once in vllm_entmtp.config.EntMTPConfig
+DEFAULT_HYSTERESIS = option_default("hysteresis")
+DEFAULT_WARMUP_STEPS = option_default("warmup_steps")
+DEFAULT_LOAD_POLICY = option_default("load_policy")
 ACCEPTANCE_WINDOW = 8
 """Window (steps that drafted) of a request's EMAs of accepted and expected accepted draft tokens."""
 ACCEPTANCE_MIN_STEPS = 2
@@ -145,7 +149,8 @@ class TreeScheduler:
         tree_set: the loaded :class:`~vllm_entmtp.trees.TreeSet`.
         policy: ``"entropy"`` (thresholds on ``Signals.entropy_ema``), ``"confidence"`` (on
             ``Signals.confidence``), or ``"static"`` (the default tree for everyone; only the budget applies).
-        hysteresis: margin in the signal's unit; None: the schedule's ``hysteresis``, else 0.05.
+        hysteresis: margin in the signal's unit; None: the schedule's ``hysteresis``, else
+            :data:`DEFAULT_HYSTERESIS`.
         warmup_steps: a request's first updates that draft the default tree.
         default_tree_id: the warm-up tree (it must be in the ladder); None: bin 0 of the ladder, or for
             ``"static"`` the set's largest tree (the static policy's tree).
@@ -165,10 +170,10 @@ class TreeScheduler:
     """
 
     def __init__(self, tree_set: TreeSet, policy: str = "entropy", *, hysteresis: float | None = None,
-                 warmup_steps: int = 2, default_tree_id: str | None = None,
+                 warmup_steps: int = DEFAULT_WARMUP_STEPS, default_tree_id: str | None = None,
                  max_verify_tokens_per_step: int | None = None,
                  entropy_range: tuple[float, float] = DEFAULT_ENTROPY_RANGE,
-                 load_policy: str = "measured", decode_row_cost: float | None = None):
+                 load_policy: str = DEFAULT_LOAD_POLICY, decode_row_cost: float | None = None):
         if policy not in POLICIES:
             raise SchedulerError(f"unknown policy {policy!r}; allowed: {', '.join(POLICIES)}")
         if load_policy not in LOAD_POLICIES:
@@ -301,8 +306,8 @@ class TreeScheduler:
     def from_config(cls, options: Any, tree_set: TreeSet) -> TreeScheduler:
         """From an :class:`~vllm_entmtp.config.EntMTPConfig` and its loaded ``tree_set``.
 
-        ``hysteresis`` is the option when the user gave it, else the schedule's, else 0.05; ``tree_id`` is the
-        warm-up tree.
+        ``hysteresis`` is the option when the user gave it, else the schedule's, else the option's default;
+        ``tree_id`` is the warm-up tree.
         """
         given = getattr(options, "model_fields_set", set())
         try:

@@ -1,4 +1,5 @@
-"""Build a tree set for the entropy scheduler from measured statistics: ``vllm-entmtp build-trees``.
+"""Build a tree set for the scheduler (bins on the entropy signal, the default, or on confidence) from measured
+statistics: ``vllm-entmtp build-trees``.
 
 The target model decodes a prompt set greedily (transformers, float32, its chat template). Along its own
 continuation ``y`` it records, at every generated position ``t``, the entropy (nats) of the distribution

@@ -1,4 +1,5 @@
-"""Build a tree set for the entropy scheduler from measured statistics: ``vllm-entmtp build-trees``.
+"""Build a tree set for the scheduler (bins on the entropy signal, the default, or on confidence) from measured
+statistics: ``vllm-entmtp build-trees``.
 
 The command line: its options, and one run from the prompts to a tree-set file the runtime has loaded back
 (statistics, bins and greedy trees, cost, the tree set, the check); the method is described in

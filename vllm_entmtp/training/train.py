@@ -1,4 +1,5 @@
-"""Train Medusa-1 MTP heads for a target model by self-distillation on real text.
+"""Train MTP heads for a target model by self-distillation on real text: Medusa-1 heads (the default) or Hydra
+heads (``--kind hydra``; Hydra++'s prefix layer with ``--prefix-layer``).
 
 What it does (``vllm-entmtp train-heads``; every stage resumes from ``--work-dir``):
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from throughput import BenchmarkError
 
 TASKS = ("humaneval", "gsm8k", "sharegpt", "creative")
-BASELINES = ("ngram", "vllm-medusa", "medusa-tree", "hydra-tree")  # each gets a "vs" column when it ran
+BASELINES = ("ngram", "vllm-medusa", "medusa-tree", "hydra-tree", "entmtp-heads")  # a "vs" column each, if run
 SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 STATIC_TREE = {"tree_set": "ladder", "tree_id": "mc12"}
 
@@ -25,7 +25,7 @@ def is_entmtp(spec: dict | None) -> bool:
 
 
 def method_order(tasks=TASKS) -> list[str]:
-    return ["plain", "ngram", "vllm-medusa", "medusa-tree", "hydra-tree", "entmtp",
+    return ["plain", "ngram", "vllm-medusa", "medusa-tree", "hydra-tree", "entmtp", "entmtp-heads",
             *(f"entmtp-{t}" for t in tasks)]
 
 
@@ -63,6 +63,8 @@ def method_table(heads: dict, tree_sets: dict, preferred_kinds=("hydra", "medusa
     kind = next((k for k in preferred_kinds if k in heads), None)
     add("entmtp", {"method": "entmtp"}, f"entmtp defaults: {kind} heads, trees of the set 'default' scheduled "
         "by its schedule's signal", None if kind else f"no heads are shipped for {SERVED_MODEL_NAME}")
+    add("entmtp-heads", {"method": "entmtp", "draft_sources": "heads"}, "entmtp defaults, drafts from the MTP "
+        "heads only (no prompt lookup)", None if kind else f"no heads are shipped for {SERVED_MODEL_NAME}")
     for task in TASKS:
         missing = (None if task in tree_sets else f"no tree set named {task!r} (trees/{task}.json)") \
             or (None if kind else f"no heads are shipped for {SERVED_MODEL_NAME}")

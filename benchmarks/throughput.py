@@ -37,6 +37,9 @@ Per level (names as in ``vllm bench serve``; times in ms, statistics over the co
   are server-wide: other clients' traffic during a level is counted too;
 * ``tree_choice_shares``: with an entmtp server, the share of drafting request-steps each tree was chosen for
   (``none``: no draft tokens), from ``vllm:entmtp_tree_chosen``;
+* ``draft_sources``: with an entmtp server drafting from prompt lookup and heads (``draft_sources``), per source:
+  drafts, draft tokens, accepted draft tokens, share of the drafts, MAL incl. the bonus token, from
+  ``vllm:entmtp_source_*``;
 * ``tree_choice``: deltas of any counter family named ``vllm_entmtp*``, ``vllm:entmtp*`` or ``entmtp*``, per
   sample name, summed per label set (``engine`` and ``model_name`` summed over), keyed ``{label="value",...}``.
 
@@ -451,16 +454,45 @@ def tree_choice_delta(before: Snapshot, after: Snapshot) -> dict:
 CHOSEN_FAMILY = "vllm:entmtp_tree_chosen_total"  # vllm_entmtp/metrics.py
 
 
+SOURCE_FAMILIES = {"drafts": "vllm:entmtp_source_drafts_total", "draft_tokens": "vllm:entmtp_source_draft_tokens_total",
+                   "accepted_tokens": "vllm:entmtp_source_accepted_tokens_total"}  # vllm_entmtp/metrics.py
+
+
+def _label(labels: str, key: str) -> str:
+    """The value of label ``key`` in a ``{k="v",...}`` key of :func:`tree_choice_delta` (``"?"``: absent)."""
+    return next((v for k, _, v in (part.partition("=") for part in labels.strip("{}").split(","))
+                 if k == key), "?").strip('"')
+
+
+def _counts_by(tree_choice: dict, family: str, key: str) -> dict[str, float]:
+    counts: dict[str, float] = {}
+    for labels, n in tree_choice.get(family, {}).items():
+        label = _label(labels, key)
+        counts[label] = counts.get(label, 0) + n
+    return counts
+
+
 def tree_choice_shares(tree_choice: dict) -> dict[str, float]:
     """Share of drafting request-steps per tree (``none``: drafted nothing), from the deltas of entmtp's
     ``vllm:entmtp_tree_chosen`` counter; ``{}`` when the server is not entmtp."""
-    counts: dict[str, float] = {}
-    for labels, n in tree_choice.get(CHOSEN_FAMILY, {}).items():
-        tree = next((v for k, _, v in (part.partition("=") for part in labels.strip("{}").split(","))
-                     if k == "tree"), "?").strip('"')
-        counts[tree] = counts.get(tree, 0) + n
+    counts = _counts_by(tree_choice, CHOSEN_FAMILY, "tree")
     total = sum(counts.values())
     return {t: n / total for t, n in sorted(counts.items())} if total else {}
+
+
+def draft_sources(tree_choice: dict) -> dict[str, dict]:
+    """Per draft source of an entmtp server (``heads``, ``lookup``; its ``vllm:entmtp_source_*`` counters):
+    verified drafts, draft tokens, accepted draft tokens, the share of the drafts, and the mean acceptance length
+    incl. the bonus token (1 + accepted / drafts); ``{}`` for other servers."""
+    fams = {k: _counts_by(tree_choice, f, "source") for k, f in SOURCE_FAMILIES.items()}
+    total = sum(fams["drafts"].values())
+    out = {}
+    for src, n in sorted(fams["drafts"].items()):
+        acc = fams["accepted_tokens"].get(src, 0)
+        out[src] = {"drafts": n, "draft_tokens": fams["draft_tokens"].get(src, 0), "accepted_tokens": acc,
+                    "share": n / total if total else None,
+                    "mean_acceptance_length_incl_bonus": 1 + acc / n if n else None}
+    return out
 
 
 # ------------------------------------------------------------------------------------------ HTTP
@@ -673,6 +705,7 @@ async def run_benchmark(cfg: Config, prompts: list[list[dict]]) -> dict:
             result["spec_decode"] = spec_decode_delta(before, after) if have_metrics else None
             result["tree_choice"] = tree_choice_delta(before, after) if have_metrics else {}
             result["tree_choice_shares"] = tree_choice_shares(result["tree_choice"])
+            result["draft_sources"] = draft_sources(result["tree_choice"])
             levels.append(result)
     config = cfg.as_json() | {"model": model, "url": url, "num_prompts": len(prompts)}
     return {"config": config, "machine": machine_info(), "date": datetime.now(timezone.utc).isoformat(),
@@ -697,6 +730,11 @@ def format_table(levels: list[dict]) -> str:
                     f"{_fmt(r['median_tpot_ms'], '8.1f')} {_fmt(r['median_itl_ms'], '8.1f')} {_fmt(mal, '5.2f')}")
     rows.append("TTFT/TPOT/ITL: medians; MAL: mean acceptance length incl. the bonus token (1 + accepted/drafts)")
     for r in levels:
+        if r.get("draft_sources"):
+            load = f"conc {r['concurrency']}" if r["request_rate"] is None else f"rate {r['request_rate']}/s"
+            rows.append(f"draft sources at {load}: " + ", ".join(
+                f"{src} {v['share']:.0%} of drafts, MAL {_fmt(v['mean_acceptance_length_incl_bonus'], '.2f')}"
+                for src, v in r["draft_sources"].items()))
         for err in r["errors"]:
             load = f"concurrency {r['concurrency']}" if r["request_rate"] is None else f"rate {r['request_rate']}"
             rows.append(f"error at {load}: {err}")

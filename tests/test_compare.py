@@ -53,7 +53,8 @@ def checkout(tmp_path, monkeypatch):
 def test_method_table_with_everything_shipped(checkout, tmp_path):
     available, skipped = checkout(heads=("medusa", "hydra"), tree_sets=("humaneval", "gsm8k", "default"))
     assert list(available) == ["plain", "ngram", "vllm-medusa", "medusa-tree", "hydra-tree", "entmtp",
-                               "entmtp-humaneval", "entmtp-gsm8k"]
+                               "entmtp-heads", "entmtp-humaneval", "entmtp-gsm8k"]
+    assert available["entmtp-heads"].spec == {"method": "entmtp", "draft_sources": "heads"}
     assert set(skipped) == {"entmtp-sharegpt", "entmtp-creative"}
     assert "trees/sharegpt.json" in skipped["entmtp-sharegpt"]
     medusa = str(tmp_path / "assets" / "heads" / "SmolLM2-135M-Instruct" / "medusa")
@@ -127,7 +128,7 @@ def test_quick_defaults_and_overrides(checkout):
     assert ([m.name for m in s.methods], s.tasks, s.num_requests, s.max_tokens) == (
         ["plain", "entmtp"], ["humaneval"], 2, 32)
     s = settings(table, [])
-    assert [m.name for m in s.methods] == ["plain", "ngram", "vllm-medusa", "medusa-tree", "entmtp"]
+    assert [m.name for m in s.methods] == ["plain", "ngram", "vllm-medusa", "medusa-tree", "entmtp", "entmtp-heads"]
     assert (s.tasks, s.concurrency, s.repeats, s.port) == (list(cm.TASKS), [1, 4, 16], 1, 8123)
 
 
@@ -135,7 +136,7 @@ def test_per_task_tree_sets_run_their_own_task_only(checkout):
     table = checkout(heads=("hydra",), tree_sets=("humaneval", "gsm8k"))
     assert table[0]["entmtp-gsm8k"].only_task == "gsm8k" and table[0]["entmtp"].only_task is None
     s = settings(table, ["--tasks", "gsm8k,sharegpt"])
-    assert [m.name for m in s.methods] == ["plain", "ngram", "hydra-tree", "entmtp", "entmtp-gsm8k"]
+    assert [m.name for m in s.methods] == ["plain", "ngram", "hydra-tree", "entmtp", "entmtp-heads", "entmtp-gsm8k"]
     assert s.skipped["entmtp-humaneval"] == "runs task 'humaneval' only, which is not in --tasks"
     with pytest.raises(tp.BenchmarkError, match="'entmtp-humaneval' runs task 'humaneval' only"):
         settings(table, ["--tasks", "gsm8k", "--methods", "plain,entmtp-humaneval"])

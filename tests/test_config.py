@@ -49,7 +49,12 @@ def test_defaults_use_registered_heads(spec_cls, target_model_config, default_he
     ts = load_tree_set("default", num_heads=read_any_heads_config(default_heads).num_heads)
     assert sc.entmtp.policy == ts.schedule.signal and sc.entmtp.tree_set == "default"
     scheduled = max(ts.get(t).num_nodes for t in ts.schedule.tree_ids if t != "none")
-    assert sc.num_speculative_tokens == scheduled
+    # prompt lookup (draft_sources "hybrid", the default) drafts chains of up to lookup_tokens (4)
+    assert sc.entmtp.draft_sources == "hybrid"
+    assert sc.num_speculative_tokens == max(scheduled, sc.entmtp.lookup_tokens)
+    heads_only = _make(spec_cls, target_model_config, method="entmtp", draft_sources="heads")
+    assert heads_only.num_speculative_tokens == scheduled
+    assert _make(spec_cls, target_model_config, method="entmtp", lookup_tokens=7).num_speculative_tokens == 7
     # room for larger trees of the set (a request's entmtp_tree_id), but not past them or below the schedule
     in_set = max(t.num_nodes for _, t in ts.trees)
     roomy = _make(spec_cls, target_model_config, method="entmtp", policy=ts.schedule.signal, tree_set="default",
@@ -174,3 +179,37 @@ def test_vllm_own_medusa_method_is_left_alone(spec_cls, target_model_config, shi
                num_speculative_tokens=2)
     assert sc.method == "medusa" and sc.num_speculative_tokens == 2
     assert getattr(sc, "entmtp", None) is None  # so the runner patch keeps vLLM's MedusaProposer
+
+
+def test_prompt_lookup_bounds_are_vllms_keys(spec_cls, target_model_config):
+    """entmtp's prompt lookup reads vLLM's prompt_lookup_min/_max (its defaults 2 and 4 when neither is given;
+    vLLM's medusa set-up zeroes them, so they are kept before it) and refuses min > max at start-up."""
+    assert _make(spec_cls, target_model_config, method="entmtp").entmtp_lookup == (2, 4)
+    assert _make(spec_cls, target_model_config, method="entmtp", prompt_lookup_min=3,
+                 prompt_lookup_max=6).entmtp_lookup == (3, 6)
+    assert _make(spec_cls, target_model_config, method="entmtp", prompt_lookup_min=5).entmtp_lookup == (5, 5)
+    with pytest.raises(ValueError, match="prompt_lookup_min=5 must be <= prompt_lookup_max=3"):
+        _make(spec_cls, target_model_config, method="entmtp", prompt_lookup_min=5, prompt_lookup_max=3)
+
+
+def test_start_up_explains_vllms_medusa_wording(spec_cls, target_model_config):
+    """vLLM logs entmtp's set-up in its inner method's words ('MedusaModel', medusa-based speculative decoding);
+    the plugin says so once, in vLLM's log."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("vllm.entmtp")
+    log.addHandler(handler)
+    old_level = log.level
+    log.setLevel(logging.INFO)
+    spec_cls._entmtp_explained = False
+    try:
+        _make(spec_cls, target_model_config, method="entmtp")
+        _make(spec_cls, target_model_config, method="entmtp")
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+    lines = [r.getMessage() for r in records if "runs inside vLLM" in r.getMessage()]
+    assert len(lines) == 1 and "'medusa' method" in lines[0] and "MedusaModel" in lines[0], lines

@@ -94,6 +94,20 @@ def _run(tmp_path, name, model, spec, phases, conversations, engine_args=None, e
 
 
 PREFIX_PROMPTS = list(range(0, 30, 3))  # 10 prompts, from each of the three sets
+NUM_PROMPTS = 30  # _prompts(); the hybrid engine's copying prompts come after them
+
+
+# Prompts whose answers copy their own text (prompt lookup's case): the default model writes these lines again
+# and again. (Asked to repeat a HumanEval prompt's code, it writes the signature, then code of its own.)
+COPY_LINES = ['print("hello world")', "x = x + 1", 'print("done")', "a = a + 1"]
+
+
+def _copy_conversations() -> list[list[dict]]:
+    return [[{"role": "user", "content": f"Write the line '{line}' eight times."}] for line in COPY_LINES]
+
+
+COPY_PROMPTS = list(range(NUM_PROMPTS, NUM_PROMPTS + len(COPY_LINES)))
+NOVEL_PROMPTS = list(range(20, 30))  # ShareGPT chat
 
 
 def _prefix_heads(hydra_dir: str, model_dir: str, out) -> str:
@@ -144,9 +158,12 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     ts = load_tree_set(tree_set)
     forced = max((t for t in ts.ids if t not in ts.schedule.tree_ids), key=lambda t: ts.get(t).num_nodes)
     mixed = [[{REQUEST_DRAFT_TOKENS_KEY: 0}, {REQUEST_TREE_KEY: forced}, {}][i % 3] for i in range(len(convs))]
+    hybrid_convs = convs + _copy_conversations()
     plain = _run(tmp, "plain", default_model, None,
-                 [{"name": "bs1", "concurrency": 1}, {"name": "stop", "concurrency": 16, "stop": STOP}, ABORT,
-                  {"name": "matrix", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS}], convs)
+                 [{"name": "bs1", "concurrency": 1},
+                  {"name": "stop", "concurrency": 16, "stop": STOP, "prompts": list(range(NUM_PROMPTS))}, ABORT,
+                  {"name": "matrix", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS}],
+                 hybrid_convs)
     chain = _run(tmp, "chain", default_model, {"method": "entmtp", "model": shipped_heads["medusa"],
                                                "num_speculative_tokens": 4},
                  [{"name": "c8", "concurrency": 8, "extra_args": caps}], convs)
@@ -155,7 +172,8 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     # most of these trees down at 16 requests (they do not pay there on this CPU); this engine is here to verify
     # the trees of a batch
     tree = _run(tmp, "tree", default_model, {"method": "entmtp", "tree_set": tree_set, "policy": policy,
-                                             "load_policy": "cap", "max_verify_tokens_per_step": 64},
+                                             "load_policy": "cap", "max_verify_tokens_per_step": 64,
+                                             "draft_sources": "heads"},
                 [{"name": "bs1", "concurrency": 1}, {"name": "c4", "concurrency": 4, "extra_args": mixed},
                  {"name": "c16", "concurrency": 16, "extra_args": caps},
                  {"name": "stop", "concurrency": 16, "stop": STOP},
@@ -167,7 +185,7 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     tree["forced"], tree["chain"] = forced, (cut_chain, ts.get(cut_chain).num_nodes)
     prefix = _run(tmp, "prefix", default_model,
                   {"method": "entmtp", "model": _prefix_heads(shipped_heads["hydra"], default_model, tmp / "prefix"),
-                   "tree_set": tree_set, "policy": policy, "load_policy": "cap"},
+                   "tree_set": tree_set, "policy": policy, "load_policy": "cap", "draft_sources": "heads"},
                   [{"name": "c4", "concurrency": 4, "prompts": PREFIX_PROMPTS},
                    {"name": "matrix_a", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS},
                    {"name": "matrix_b", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS}], convs,
@@ -178,19 +196,27 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
                   engine_args={"enable_chunked_prefill": True, "max_num_batched_tokens": MAX_BATCHED,
                                "enable_prefix_caching": False},
                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    return prompts, plain, {"chain": chain, "tree": tree, "prefix": prefix}
+    # prompt lookup and the heads in one schedule (draft_sources "hybrid", the default), the default tree set;
+    # the cap, so that drafting does not depend on measured costs
+    hybrid = _run(tmp, "hybrid", default_model, {"method": "entmtp", "load_policy": "cap"},
+                  [{"name": "copy", "concurrency": 1, "prompts": COPY_PROMPTS},
+                   {"name": "novel", "concurrency": 1, "prompts": NOVEL_PROMPTS},
+                   {"name": "c16", "concurrency": 16},
+                   {"name": "sampled", "concurrency": 16, **SAMPLED}], hybrid_convs)
+    return prompts, plain, {"chain": chain, "tree": tree, "prefix": prefix, "hybrid": hybrid}
 
 
-CASES = [("chain", "c8"), ("tree", "bs1"), ("tree", "c4"), ("tree", "c16")]
+CASES = [("chain", "c8"), ("tree", "bs1"), ("tree", "c4"), ("tree", "c16"), ("hybrid", "c16")]
 
 
 @pytest.mark.parametrize("method, phase", CASES)
 def test_greedy_output_equals_plain_decoding(runs, method, phase):
     prompts, plain, spec = runs
     got, ref = spec[method][phase], plain["bs1"]
-    diffs = [p.id for p, a, b in zip(prompts, ref["token_ids"], got["token_ids"]) if a != b]
-    assert diffs == [], f"{len(diffs)} of {len(prompts)} outputs differ from plain decoding: {diffs}"
-    assert got["finish_reasons"] == ref["finish_reasons"]
+    n = len(got["token_ids"])  # the hybrid engine's copying prompts come after the 30 of the others
+    diffs = [i for i, (a, b) in enumerate(zip(ref["token_ids"][:n], got["token_ids"])) if a != b]
+    assert diffs == [], f"{len(diffs)} of {n} outputs differ from plain decoding: {diffs}"
+    assert got["finish_reasons"] == ref["finish_reasons"][:n] and n >= len(prompts)
     assert sum(map(len, got["token_ids"])) > 20 * MAX_TOKENS  # real generations, not empty ones
 
 
@@ -408,3 +434,56 @@ def test_faults_in_drafting_and_the_tree_walk_leave_the_engine_and_the_output_ex
         assert got["entmtp_metrics"].get(f"fallbacks{{{stage}}}", 0) > before.get(f"fallbacks{{{stage}}}", 0), stage
     assert got["spec"]["num_accepted_tokens"] > 0
     assert got["tree_stats"]["tree_steps"] > spec["tree"]["matrix"]["tree_stats"]["tree_steps"]  # trees walked
+
+
+def _by_source(phase: dict, before: dict | None = None) -> dict[str, dict[str, int]]:
+    """A phase's verified drafts by source (the counters are cumulative over an engine's phases)."""
+    now = phase["tree_stats"]["by_source"]
+    then = before["tree_stats"]["by_source"] if before is not None else {}
+    return {src: {k: v - then.get(src, {}).get(k, 0) for k, v in c.items()} for src, c in now.items()}
+
+
+def test_hybrid_drafts_are_exact_one_at_a_time(runs):
+    """Hybrid drafts (prompt lookup and the heads) give plain decoding's output on the copying and the chat
+    prompts, one request at a time; 16 at a time is in test_greedy_output_equals_plain_decoding."""
+    prompts, plain, spec = runs
+    hybrid = spec["hybrid"]
+    for phase, idx in (("copy", COPY_PROMPTS), ("novel", NOVEL_PROMPTS)):
+        ref = [plain["bs1"]["token_ids"][i] for i in idx]
+        assert hybrid[phase]["token_ids"] == ref, phase
+    assert sum(map(len, hybrid["copy"]["token_ids"])) >= 3 * MAX_TOKENS
+
+
+def test_copying_prompts_draft_from_lookup_and_chat_from_the_heads(runs):
+    """A prompt whose answer copies its own text drafts (mostly) from prompt lookup, with long accepted runs; a
+    novel chat answer drafts mostly from the heads."""
+    hybrid = runs[2]["hybrid"]
+    copy, novel = _by_source(hybrid["copy"]), _by_source(hybrid["novel"], hybrid["copy"])
+    look = copy.get("lookup", {"drafts": 0, "accepted": 0})
+    assert look["drafts"] > copy.get("heads", {}).get("drafts", 0), copy
+    assert look["accepted"] / look["drafts"] >= 2.0, copy  # mean accepted draft tokens per lookup draft
+    assert novel.get("heads", {}).get("drafts", 0) > novel.get("lookup", {}).get("drafts", 0), novel
+
+
+def test_both_sources_draft_in_the_same_steps(runs):
+    """16 requests of code, math and chat at once: the source is chosen per request, so steps carry lookup and
+    heads drafts together; every source's draft tokens are accepted; the counters reach Prometheus."""
+    phase = runs[2]["hybrid"]["c16"]
+    c16 = _by_source(phase, runs[2]["hybrid"]["novel"])
+    steps = phase["tree_stats"]["step_sources"]
+    assert steps.get("heads+lookup", 0) > 0, steps
+    assert all(c16[s]["accepted"] > 0 for s in ("heads", "lookup")), c16
+    metrics = phase["entmtp_metrics"]
+    for src, v in phase["tree_stats"]["by_source"].items():
+        assert metrics[f"source_drafts{{{src}}}"] == v["drafts"]
+        assert metrics[f"source_accepted_tokens{{{src}}}"] == v["accepted"]
+
+
+def test_sampled_requests_draft_from_both_sources(runs):
+    """Sampling (temperature 0.8, top-p, top-k, seeds) with hybrid drafts: every request completes, lookup
+    drafts are verified by the rejection sampler (one-hot drafts: lossless, tests/test_rejection_sampling.py)
+    and some of their tokens are accepted."""
+    phase = runs[2]["hybrid"]["sampled"]
+    got = _by_source(phase, runs[2]["hybrid"]["c16"])
+    assert all(len(t) > 0 for t in phase["token_ids"])
+    assert got.get("lookup", {}).get("accepted", 0) > 0, got

@@ -6,8 +6,8 @@ import pytest
 
 from vllm_entmtp.config import EntMTPConfig
 from vllm_entmtp.entropy import EntropyTracker, Signals
-from vllm_entmtp.scheduler import (DEFAULT_MAX_VERIFY_TOKENS, SchedulerError, TreeScheduler, fallback_thresholds,
-                                   node_budget)
+from vllm_entmtp.load_rules import DEFAULT_MAX_VERIFY_TOKENS, node_budget
+from vllm_entmtp.scheduler import SchedulerError, TreeScheduler, fallback_thresholds
 from vllm_entmtp.trees import Schedule, Tree, TreeSet, load_tree_set
 
 # big (8 nodes) > mid (4) > small (2) > one (1)

@@ -377,3 +377,22 @@ def test_wrong_model_fails_at_warm_up(server, tmp_path, capsys):
     assert tp.main(["--base-url", server.url, "--model", "other", "--dataset", str(prompts), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: warm-up request") and "HTTP 404" in err and err.count("\n") == 1
+
+
+def test_draft_sources_from_entmtps_source_counters():
+    """Per draft source (prompt lookup, heads): drafts, tokens, share and MAL from vllm:entmtp_source_* deltas."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    reg = CollectorRegistry()
+    fams = {k: Counter(f"vllm:entmtp_source_{k}", k, ["source"], registry=reg)
+            for k in ("drafts", "draft_tokens", "accepted_tokens")}
+    before = tp.parse_metrics(generate_latest(reg).decode())
+    for src, (n, toks, acc) in {"heads": (30, 60, 15), "lookup": (10, 40, 25)}.items():
+        for k, v in zip(("drafts", "draft_tokens", "accepted_tokens"), (n, toks, acc)):
+            fams[k].labels(source=src).inc(v)
+    after = tp.parse_metrics(generate_latest(reg).decode())
+    got = tp.draft_sources(tp.tree_choice_delta(before, after))
+    assert got["heads"] == {"drafts": 30, "draft_tokens": 60, "accepted_tokens": 15, "share": 0.75,
+                            "mean_acceptance_length_incl_bonus": 1.5}
+    assert got["lookup"]["share"] == 0.25 and got["lookup"]["mean_acceptance_length_incl_bonus"] == 3.5
+    assert tp.draft_sources({}) == {}

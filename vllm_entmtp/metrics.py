@@ -10,7 +10,7 @@ where the drafter runs on CPU), so that several front ends sharing one folder (e
 each other's engines.
 
 Families (counters; Prometheus appends ``_total``), label ``tree`` = tree id (a capped tree is ``id@n``, a chain
-``chainN``, ``none`` = the request drafted nothing):
+``chainN``, ``lookup`` a prompt-lookup chain, ``none`` = the request drafted nothing):
 
 ========================================  =========================================================================
 ``vllm:entmtp_tree_chosen``               request-steps for which the tree was chosen (all drafting steps)
@@ -18,6 +18,10 @@ Families (counters; Prometheus appends ``_total``), label ``tree`` = tree id (a 
                                           by vLLM and counted in its ``vllm:spec_decode_*`` metrics only)
 ``vllm:entmtp_tree_nodes_verified``       draft nodes in those trees
 ``vllm:entmtp_tree_tokens_accepted``      accepted draft tokens in those trees (bonus token excluded)
+``vllm:entmtp_source_drafts``             label ``source`` (``heads``, ``lookup``): verified drafts of requests the
+                                          scheduler drafts for (every verifier), by where their tokens came from
+``vllm:entmtp_source_draft_tokens``       their draft tokens
+``vllm:entmtp_source_accepted_tokens``    their accepted draft tokens (bonus token excluded)
 ``vllm:entmtp_non_first_branch_paths``    accepted paths that left the top-1 chain
 ``vllm:entmtp_kv_slots_moved``            accepted nodes whose K/V was moved to consecutive cache slots
 ``vllm:entmtp_fallbacks``                 label ``stage``: request-steps that went on without speculation after
@@ -149,11 +153,14 @@ class Publisher:
                     self._on_error(e)
 
 
+SOURCE_KEYS = ("drafts", "drafted", "accepted")
+
+
 def read_all(directory: str | Path, parent_pid: int | None = None) -> dict:
     """Sum of the counter files in ``directory`` written by descendants of process ``parent_pid`` (None: all
     files); unreadable files are skipped."""
-    total = {"chosen": {}, "per_tree": {}, "non_first_branch_paths": 0, "kv_slots_moved": 0, "fallbacks": {},
-             "requests_with_state": 0}
+    total = {"chosen": {}, "per_tree": {}, "by_source": {}, "non_first_branch_paths": 0, "kv_slots_moved": 0,
+             "fallbacks": {}, "requests_with_state": 0}
     for f in Path(directory).glob("*.json"):
         try:
             d = json.loads(f.read_text())
@@ -164,10 +171,11 @@ def read_all(directory: str | Path, parent_pid: int | None = None) -> dict:
         for key in ("chosen", "fallbacks"):
             for label, n in d.get(key, {}).items():
                 total[key][label] = total[key].get(label, 0) + n
-        for tree, v in d.get("per_tree", {}).items():
-            acc = total["per_tree"].setdefault(tree, {"steps": 0, "nodes": 0, "accepted": 0})
-            for k in acc:
-                acc[k] += v.get(k, 0)
+        for key, zero in (("per_tree", ("steps", "nodes", "accepted")), ("by_source", SOURCE_KEYS)):
+            for label, v in d.get(key, {}).items():
+                acc = total[key].setdefault(label, dict.fromkeys(zero, 0))
+                for k in acc:
+                    acc[k] += v.get(k, 0)
         for k in ("non_first_branch_paths", "kv_slots_moved", "requests_with_state"):
             total[k] += d.get(k, 0)
     return total
@@ -201,6 +209,14 @@ class EntMTPCollector:
             for k in ("steps", "nodes", "accepted"):
                 fams[k].add_metric([tree], v[k])
         yield from fams.values()
+        src = {k: CounterMetricFamily(f"vllm:entmtp_source_{name}", doc, labels=["source"]) for k, name, doc in (
+            ("drafts", "drafts", "Verified drafts of scheduled requests from this source (heads, lookup)."),
+            ("drafted", "draft_tokens", "Draft tokens of scheduled requests from this source, verified."),
+            ("accepted", "accepted_tokens", "Accepted draft tokens from this source (bonus token excluded)."))}
+        for source, v in sorted(t["by_source"].items()):
+            for k in SOURCE_KEYS:
+                src[k].add_metric([source], v[k])
+        yield from src.values()
         yield CounterMetricFamily("vllm:entmtp_non_first_branch_paths", "Accepted tree paths that left the top-1 "
                                   "chain.", value=t["non_first_branch_paths"])
         yield CounterMetricFamily("vllm:entmtp_kv_slots_moved", "Accepted nodes whose K/V entmtp moved to "

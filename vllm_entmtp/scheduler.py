@@ -33,47 +33,11 @@ Warm-up: while a request has fewer than ``warmup_steps`` signal updates, or its 
 drafts the default tree (``default_tree_id``, else the ladder's bin 0); its first decision after warm-up is
 the plain mapping (no hysteresis, as it holds no bin yet).
 
-Load (the bin a request's signal holds is never changed by any of these):
-
-0. **Measured costs** (``load_policy="measured"``, the default, for sets built by ``vllm-entmtp build-trees``):
-   :meth:`TreeScheduler.choose` with ``costs`` (:class:`~vllm_entmtp.step_costs.StepCosts`, measured on the
-   running engine: a decode step's row-bound time by the rows it verifies, drafting time by batch size) steps
-   requests down the ladder, the one giving up the fewest expected accepted tokens per second of step time saved
-   first, while that gives up fewer than the step's tokens per second; then, if a step without drafts is faster
-   per token, nobody drafts. :meth:`TreeScheduler.drafting_pays` tells the drafter before it runs the heads
-   whether any draft could pay at this batch size. Until the costs for a batch size are measured, the cap
-   (rule 2, with its default of 32) applies instead; a cap the user gives applies after this rule.
-
-The two older rules, applied in this order:
-
-1. **Cost model** (``load_policy="cost"``, opt-in, for sets built by ``vllm-entmtp build-trees``; not for
-   ``"static"``): keep the trees that raise the step's expected tokens per unit of time. Every tree of such a set
-   records its expected accepted draft tokens per calibration bin (``metadata.expected_accepted_per_bin``; the
-   request's bin comes from its signal and the calibration's ``edges``; a request without a signal yet counts the
-   mean over the bins, which hold equal shares of the calibration positions) and its measured cost at one request
-   (``metadata.cost.total``, in plain decoding steps, drafting included). The step of ``B`` requests is modelled
-   as ``1 + d * (B - 1)`` plain one-request steps (``d``: ``decode_row_cost``, what one more request's decode row
-   adds) plus ``cost.total - 1`` per drafting request, and yields ``B + sum(accepted)`` tokens. While stepping a
-   request one rung down the ladder (to ``"none"`` past the last) gives up fewer tokens per unit of time saved
-   (``dA / dT``) than the step's current ratio ``tokens / time``, the request with the smallest ``dA / dT`` steps
-   down; ties go to the later request. At one request this drops a tree only where its expected speed-up is below
-   1; as ``B`` grows the ratio rises and only trees whose accepted tokens pay for their own cost stay. Source: the
-   break-even argument of Sequoia (Chen et al. 2024, section 4: the tree size that maximises tokens per second
-   depends on the hardware's cost of verifying more tokens) applied per request.
-   Not the default: it charges every request its one-request cost, and on this CPU most of that cost is per step,
-   not per request (``benchmarks/results/step-profile-2026-11-30b/``: one draft token costs 14 ms at one request
-   and 12.5 ms for sixteen together, where it still gains 17 %), so with one-request calibrations it drops
-   drafting where drafting pays. It needs step costs measured per batch size.
-2. **Cap** (always): :func:`node_budget` gives the draft nodes a step may verify: ``max_verify_tokens_per_step``
-   (default :data:`DEFAULT_MAX_VERIFY_TOKENS` = 32) minus one root row per request. :meth:`TreeScheduler.choose`
-   then, while the chosen trees' nodes exceed the budget, steps the request with the largest tree one bin down (a
-   tie goes to the request later in the batch), the last bin stepping down to no drafting (``None``). On this CPU
-   a step's time is nearly flat up to about 32 verified rows and steep beyond (``step-profile-2026-11-30b``: at
-   16 requests, 32 rows +8 %, 48 rows +53 %, 80 rows of branching trees +300 %), which is what a cap expresses.
+Load: the scheduler's choices are fitted to the batch by the load rules of :mod:`vllm_entmtp.load_rules`
+(measured step costs by default, or a cost model, or a cap), and weighed against prompt-lookup drafts there.
 """
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -82,46 +46,22 @@ from typing import Any
 from vllm_entmtp.config import option_default
 from vllm_entmtp.entropy import Signals, drop_missing
 from vllm_entmtp.errors import EntMTPError
+from vllm_entmtp.load_rules import DEFAULT_MAX_VERIFY_TOKENS, LoadRules, calibration_of, node_budget
 from vllm_entmtp.step_costs import StepCosts
 from vllm_entmtp.trees import NO_DRAFT_ID, Tree, TreeSet
 
 POLICIES = ("static", "entropy", "confidence")
 LOAD_POLICIES = ("measured", "cap", "cost")
-DEFAULT_DECODE_ROW_COST = 0.067
-"""What one more request's decode row adds to a step, in one-request plain steps, when the tree set does not say:
-the slope of plain decoding's time per output token over 1, 4 and 16 requests in flight in the compiled servers of
-``benchmarks/results/compare-2026-11-30/`` (HumanEval: 76.0, 94.6 and 155.6 ms; 5.1 ms per request / 76 ms)."""
-DEFAULT_MAX_VERIFY_TOKENS = 32
-"""Default cap on the tokens verified per step (draft nodes + one root per request), see :func:`node_budget`."""
 # the options' defaults, written once in vllm_entmtp.config.EntMTPConfig
 DEFAULT_HYSTERESIS = option_default("hysteresis")
 DEFAULT_WARMUP_STEPS = option_default("warmup_steps")
 DEFAULT_LOAD_POLICY = option_default("load_policy")
-ACCEPTANCE_WINDOW = 8
-"""Window (steps that drafted) of a request's EMAs of accepted and expected accepted draft tokens."""
-ACCEPTANCE_MIN_STEPS = 2
-ACCEPTANCE_RATIO_RANGE = (0.2, 3.0)
 DEFAULT_ENTROPY_RANGE = (0.0, 1.2)
 """Entropy range (nats) over which the fallback ladder spaces its thresholds."""
 
 
 class SchedulerError(EntMTPError):
     """A scheduler that cannot be built from these options and this tree set (the message names both)."""
-
-
-def node_budget(batch_size: int, max_verify_tokens_per_step: int | None = None) -> int:
-    """Draft nodes a step may carry in all: ``max(0, max_verify_tokens_per_step - batch_size)``.
-
-    Every request verifies its root row anyway (the plain decode token), so of ``max_verify_tokens_per_step``
-    verified rows (None: :data:`DEFAULT_MAX_VERIFY_TOKENS`) ``batch_size`` are taken and the rest can be
-    draft nodes. With 32: 28 nodes for 4 requests, 16 for 16 requests (one each), none from 32 requests on.
-    """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
-        raise ValueError(f"batch_size must be an int >= 0, got {batch_size!r}")
-    cap = DEFAULT_MAX_VERIFY_TOKENS if max_verify_tokens_per_step is None else max_verify_tokens_per_step
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-        raise ValueError(f"max_verify_tokens_per_step must be an int >= 1 or None, got {cap!r}")
-    return max(0, cap - batch_size)
 
 
 @dataclass
@@ -142,7 +82,7 @@ class SchedulerStats:
         return asdict(self)
 
 
-class TreeScheduler:
+class TreeScheduler(LoadRules):
     """Per-request tree choice from a tree set: thresholds on a signal, hysteresis, warm-up, node budget.
 
     Args:
@@ -162,7 +102,7 @@ class TreeScheduler:
             ``build-trees`` metadata for this policy's signal; otherwise only the cap applies and
             :attr:`cost_model_missing` says why.
         decode_row_cost: ``d`` of the cost model, in one-request plain steps per request; None: the tree set's
-            calibration ``cost.decode_row_cost`` when it has one, else :data:`DEFAULT_DECODE_ROW_COST`.
+            calibration ``cost.decode_row_cost`` when it has one, else :data:`~vllm_entmtp.load_rules.DEFAULT_DECODE_ROW_COST`.
 
     Raises:
         SchedulerError: unknown policy or load policy, a schedule for the other signal, a default tree outside
@@ -262,46 +202,6 @@ class TreeScheduler:
         policy, and a set with expected accepted tokens per calibration bin)."""
         return self.load_policy == "measured" and self.policy != "static" and self.cost_model_missing is None
 
-    def _calibrated_decode_row_cost(self) -> float:
-        d = calibration_of(self.tree_set).get("cost", {}).get("decode_row_cost")
-        return DEFAULT_DECODE_ROW_COST if d is None else d
-
-    def _init_cost_model(self, need_costs: bool = True) -> str | None:
-        """Fill the cost model's tables from the tree set's metadata; return why it cannot apply (None: it can).
-        ``need_costs``: the one-request costs (``metadata.cost.total``) are required (load policy ``"cost"``)."""
-        if self.policy == "static":
-            return "the static policy drafts one tree for everyone"
-        cal = calibration_of(self.tree_set)
-        if cal.get("signal") != self.policy or not isinstance(cal.get("edges"), list):
-            return (f"tree set {self.tree_set.source} has no build-trees calibration for the {self.policy!r} "
-                    f"signal (metadata.calibration.signal and edges)")
-        edges = sorted(self._sign * float(e) for e in cal["edges"])
-        nbins = len(edges) + 1
-        acc, extra = [], []
-        for tid, tree in zip(self.ladder_ids, self.ladder):
-            if tree is None:
-                acc.append([0.0] * nbins)
-                extra.append(0.0)
-                continue
-            meta = self.tree_set.metadata.get(tid, {})
-            per_bin = meta.get("expected_accepted_per_bin")
-            total = meta.get("cost", {}).get("total") if isinstance(meta.get("cost"), dict) else None
-            if not isinstance(per_bin, list) or len(per_bin) != nbins \
-                    or (need_costs and not isinstance(total, (int, float))):
-                return (f"tree {tid!r} of tree set {self.tree_set.source} lacks metadata.expected_accepted_per_bin "
-                        f"({nbins} bins)" + (" or metadata.cost.total" if need_costs else ""))
-            acc.append([float(a) for a in per_bin])
-            extra.append(max(0.0, float(total) - 1.0) if isinstance(total, (int, float)) else 0.0)
-        self._cal_edges, self._acc, self._extra = edges, acc, extra
-        return None
-
-    def calibration_bin(self, value: float | None) -> int | None:
-        """The calibration bin of a signal value (None: no signal yet), for the cost model's expectations."""
-        if value is None or not math.isfinite(value):
-            return None
-        s = self._sign * value
-        return sum(1 for e in self._cal_edges if s >= e)
-
     @classmethod
     def from_config(cls, options: Any, tree_set: TreeSet) -> TreeScheduler:
         """From an :class:`~vllm_entmtp.config.EntMTPConfig` and its loaded ``tree_set``.
@@ -320,112 +220,6 @@ class TreeScheduler:
             raise SchedulerError(f"method 'entmtp' (policy, tree_set, tree_id): {e}") from None
 
     # -- per step -------------------------------------------------------------------------------------------------
-
-    def node_budget(self, batch_size: int) -> int | None:
-        """:func:`node_budget` with this scheduler's ``max_verify_tokens_per_step``; None (no cap) under the
-        ``"measured"`` load policy unless ``max_verify_tokens_per_step`` was given."""
-        if self.measured and self.max_verify_tokens_per_step is None:
-            return None
-        return node_budget(batch_size, self.max_verify_tokens_per_step)
-
-    # -- measured step costs (load policy "measured") ---------------------------------------------------------
-
-    def _curve(self, costs: StepCosts, batch_size: int, max_nodes: int) -> list[float] | None:
-        """Row-bound step time with ``n = 0 .. max_nodes`` draft nodes over ``batch_size`` roots (seconds)."""
-        return costs.curve(batch_size, max_nodes)
-
-    def drafting_pays(self, batch_size: int, costs: StepCosts) -> bool:
-        """Whether any draft can raise this batch's tokens per second at the best acceptance the calibration
-        knows: ``k`` requests (any ``k``) drafting one tree of the ladder each at its best calibration bin's
-        expected accepted tokens, against a step without drafts, drafting time included. False: skip the heads
-        for this step. True when the costs are not measured enough to say."""
-        if not self.measured or batch_size < 1:
-            return True
-        k_max = max((n for n in self._nodes), default=0)
-        curve = self._curve(costs, batch_size, batch_size * k_max)
-        if curve is None:
-            return True
-        d = costs.draft_time(batch_size)
-        plain = batch_size / curve[0]
-        for b, n in enumerate(self._nodes):
-            if n == 0:
-                continue
-            a = max(self._acc[b])
-            for k in range(1, batch_size + 1):
-                if (batch_size + k * a) / (curve[k * n] + d) > plain:
-                    return True
-        self.stats.not_paying += 1
-        return False
-
-    def acceptance_ratio(self, req_id: str) -> float:
-        """What a request accepted over what the calibration expected of its drafts (EMAs over about
-        :data:`ACCEPTANCE_WINDOW` drafting steps, clipped to :data:`ACCEPTANCE_RATIO_RANGE`); 1 before
-        :data:`ACCEPTANCE_MIN_STEPS` of its drafts were verified. The measured rule scales the calibration's
-        expectations by it: text the heads predict worse than the calibration prompts drafts less."""
-        st = self._acc_obs.get(req_id)
-        if st is None or st[2] < ACCEPTANCE_MIN_STEPS or st[1] <= 0:
-            return 1.0
-        lo, hi = ACCEPTANCE_RATIO_RANGE
-        return min(max(st[0] / st[1], lo), hi)
-
-    def observe_acceptance(self, req_id: str, expected: float, accepted: int) -> None:
-        """A verified draft of ``req_id``: ``expected`` accepted draft tokens (:attr:`expected` when it was
-        chosen), ``accepted`` of them accepted (bonus excluded)."""
-        st = self._acc_obs.setdefault(req_id, [0.0, 0.0, 0])
-        b = 1.0 - 1.0 / ACCEPTANCE_WINDOW
-        st[0] = b * st[0] + (1.0 - b) * float(accepted)
-        st[1] = b * st[1] + (1.0 - b) * float(expected)
-        st[2] += 1
-
-    def _fit_measured(self, bins: list[int], cal_bins: list[int | None], costs: StepCosts,
-                      scale: list[float] | None = None) -> bool:
-        """Step bins down in place while a step down gives up fewer expected tokens per second saved than the
-        step's tokens per second, on measured step costs (:class:`~vllm_entmtp.step_costs.StepCosts`); then, if
-        a step without drafts is faster per token still, no request drafts. False (nothing changed) when the
-        costs are not measured enough for this batch size."""
-        k, b_size = len(self.ladder), len(bins)
-        nodes = [self._nodes[b] if b < k else 0 for b in bins]
-        curve = self._curve(costs, b_size, sum(nodes))
-        if curve is None:
-            return False
-        d = costs.draft_time(b_size)
-        scale = scale or [1.0] * b_size
-        acc = [self.expected_accepted(b, c) * f for b, c, f in zip(bins, cal_bins, scale)]
-        total = sum(nodes)
-
-        def time_of(n: int) -> float:
-            return curve[n] + (d if n > 0 else 0.0)
-
-        tokens = b_size + sum(acc)
-        while total > 0:
-            best = None
-            for i, b in enumerate(bins):
-                if b >= k or nodes[i] == 0:
-                    continue
-                nb = b + 1
-                n_new = self._nodes[nb] if nb < k else 0
-                a_new = self.expected_accepted(nb, cal_bins[i]) * scale[i] if nb < k else 0.0
-                d_t = time_of(total) - time_of(total - nodes[i] + n_new)
-                if d_t <= 0:
-                    continue
-                ratio = (acc[i] - a_new) / d_t
-                if best is None or ratio < best[0] or (ratio == best[0] and i > best[1]):
-                    best = (ratio, i, nb, n_new, a_new)
-            if best is None or best[0] >= tokens / time_of(total):
-                break
-            _, i, nb, n_new, a_new = best
-            total += n_new - nodes[i]
-            tokens += a_new - acc[i]
-            bins[i], nodes[i], acc[i] = nb, n_new, a_new
-            self.stats.cost_stepdowns += 1
-            if nb >= k or self.ladder[nb] is None:
-                self.stats.no_draft += 1
-        if total > 0 and b_size / time_of(0) >= tokens / time_of(total):
-            for i, b in enumerate(bins):
-                if b < k and nodes[i] > 0:
-                    bins[i] = k
-                    self.stats.no_draft += 1
-        return True
 
     def signal_value(self, signals: Signals) -> float | None:
         """The policy's signal: the entropy EMA, or the path confidence (None for ``"static"``)."""
@@ -507,73 +301,6 @@ class TreeScheduler:
         return [(self.ladder_ids[b], self.ladder[b]) if b < k and self.ladder[b] is not None else (None, None)
                 for b in bins]
 
-    def expected_accepted(self, ladder_bin: int, cal_bin: int | None) -> float:
-        """The cost model's expected accepted draft tokens of ladder bin ``ladder_bin`` (``K``: no drafting) for a
-        request in calibration bin ``cal_bin`` (None: the mean over the bins)."""
-        if ladder_bin >= len(self.ladder):
-            return 0.0
-        per_bin = self._acc[ladder_bin]
-        return sum(per_bin) / len(per_bin) if cal_bin is None else per_bin[cal_bin]
-
-    def step_cost(self, bins: Sequence[int]) -> float:
-        """The cost model's time of a step whose requests draft the trees of ladder bins ``bins``, in plain
-        one-request steps: ``1 + d * (B - 1)`` plus each drafting tree's measured extra cost."""
-        k = len(self.ladder)
-        return 1.0 + self.decode_row_cost * (len(bins) - 1) + sum(self._extra[b] for b in bins if b < k)
-
-    def _fit_cost(self, bins: list[int], cal_bins: list[int | None]) -> None:
-        """Step bins down in place while a step down gives up fewer expected tokens per unit of time saved than
-        the step's tokens per unit of time (bin ``K`` = no drafting)."""
-        k = len(self.ladder)
-        tokens = len(bins) + sum(self.expected_accepted(b, c) for b, c in zip(bins, cal_bins))
-        time = self.step_cost(bins)
-
-        def move(i: int):  # (dA / dT, -i, dA, dT) of request i's next step down, or None
-            b = bins[i]
-            if b >= k:
-                return None
-            d_t = self._extra[b] - (self._extra[b + 1] if b + 1 < k else 0.0)
-            if d_t <= 0:
-                return None
-            d_a = self.expected_accepted(b, cal_bins[i]) - self.expected_accepted(b + 1, cal_bins[i])
-            return (d_a / d_t, -i, d_a, d_t)
-
-        heap = [m for m in (move(i) for i in range(len(bins))) if m is not None]
-        heapq.heapify(heap)
-        while heap and heap[0][0] < tokens / time:
-            _, neg_i, d_a, d_t = heapq.heappop(heap)
-            i = -neg_i
-            bins[i] += 1
-            tokens, time = tokens - d_a, time - d_t
-            self.stats.cost_stepdowns += 1
-            if bins[i] >= k or self.ladder[bins[i]] is None:
-                self.stats.no_draft += 1
-            m = move(i)
-            if m is not None:
-                heapq.heappush(heap, m)
-
-    def _fit(self, bins: list[int], budget: int) -> None:
-        """Step bins down in place until the nodes fit ``budget`` (bin ``K`` = no drafting, 0 nodes)."""
-        nodes, k = self._nodes, len(self.ladder)
-        total = sum(nodes[b] for b in bins)
-        if total <= budget:
-            return
-        # max-heap on (nodes, index): the largest tree first, the later request on a tie
-        heap = [(-nodes[b], -i) for i, b in enumerate(bins)]
-        heapq.heapify(heap)
-        while total > budget and heap:
-            neg_n, neg_i = heapq.heappop(heap)
-            i = -neg_i
-            b = bins[i] + 1
-            bins[i] = b
-            self.stats.budget_stepdowns += 1
-            if b < k:
-                total += nodes[b] + neg_n
-                heapq.heappush(heap, (-nodes[b], neg_i))
-            else:
-                total += neg_n
-                self.stats.no_draft += 1
-
     # -- lifetime -------------------------------------------------------------------------------------------------
 
     def current_bin(self, req_id: str) -> int | None:
@@ -605,12 +332,6 @@ class TreeScheduler:
                 f"hysteresis={self.hysteresis}, warmup_steps={self.warmup_steps}, "
                 f"default={self.default_tree_id!r}, source={self.ladder_source}, load_policy={self.load_policy!r}"
                 f"{'' if self.cost_model else ' (cap only)'})")
-
-
-def calibration_of(tree_set: TreeSet) -> dict:
-    """The ``build-trees`` calibration record of a tree set (its first tree's ``metadata.calibration``; ``{}`` for
-    sets without one)."""
-    return tree_set.metadata.get(tree_set.ids[0], {}).get("calibration", {}) if tree_set.ids else {}
 
 
 def calibration_mismatches(tree_set: TreeSet, options: Any) -> list[str]:

@@ -25,6 +25,11 @@ class TreeStats:
     confidence_pairs: dict = field(default_factory=dict)
     # stage (step.FAULT_STAGES) -> requests that went on without speculation for a step after a fault
     fallbacks: dict = field(default_factory=dict)
+    # draft source ("heads", "lookup") -> [verified drafts, draft tokens, accepted draft tokens (bonus excluded)]
+    # of scheduled requests (every verifier: trees, chains, vLLM's own)
+    by_source: dict = field(default_factory=dict)
+    # the sources that drafted in one step ("heads", "heads+lookup", "lookup") -> steps
+    step_sources: dict = field(default_factory=dict)
 
     def record_fallback(self, stage: str, requests: int = 1) -> None:
         """A contained fault of the plugin's work in ``stage``, touching ``requests`` requests of a step."""
@@ -34,6 +39,19 @@ class TreeStats:
         """One request-step's proposal (chains and "none" included), for the share of steps per tree."""
         key = tree_id or "none"
         self.chosen[key] = self.chosen.get(key, 0) + 1
+
+    def record_source(self, source: str, drafted: int, accepted: int) -> None:
+        """One verified draft of ``drafted`` tokens from ``source``, ``accepted`` of them (bonus excluded)."""
+        v = self.by_source.setdefault(source, [0, 0, 0])
+        v[0] += 1
+        v[1] += drafted
+        v[2] += accepted
+
+    def record_step_sources(self, sources: set[str]) -> None:
+        """One drafting step and the draft sources its requests drafted from."""
+        if sources:
+            key = "+".join(sorted(sources))
+            self.step_sources[key] = self.step_sources.get(key, 0) + 1
 
     def record(self, tree_id: str, num_nodes: int, path: list[int], ranks: list[int]) -> None:
         """One verified tree: ``path`` = accepted node indices (1-based), ``ranks[j-1]`` = node j's rank."""
@@ -59,6 +77,7 @@ class TreeStats:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["per_tree"] = {k: {"steps": v[0], "nodes": v[1], "accepted": v[2]} for k, v in self.per_tree.items()}
+        d["by_source"] = {k: {"drafts": v[0], "drafted": v[1], "accepted": v[2]} for k, v in self.by_source.items()}
         for key, pairs in (("entropy_acceptance", self.signal_pairs), ("confidence_acceptance",
                                                                        self.confidence_pairs)):
             pooled = [sum(col) for col in zip(*pairs.values())] if pairs else None

@@ -6,12 +6,16 @@ process exists). See the table in :mod:`vllm_entmtp.patches`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Literal, Union
 
 from vllm_entmtp.config import EntMTPConfigError, parse_entmtp_options, resolve_policy, resolve_static_tree
 from vllm_entmtp.errors import HeadsCheckpointError
 from vllm_entmtp.heads.formats import read_any_heads_config
+
+# a child of vLLM's "vllm" logger, so that the line reaches `vllm serve`'s log (vllm_entmtp/drafter.py)
+logger = logging.getLogger("vllm.entmtp")
 
 METHOD = "entmtp"
 #: vLLM's method that entmtp runs under (hidden states handed to the drafter, async scheduling off, V1 runner).
@@ -71,7 +75,7 @@ def _draft_budget(options, heads_cfg, heads_dir, num_spec: int | None):
     """``(num_speculative_tokens, static tree id, static tree, tree-set path)`` for the options.
 
     Scheduled trees (policy other than "static"): the set and its schedule are validated here, at start-up, and a
-    step carries at most the largest tree. A static tree: its node count. Chains: one token per head at most.
+    step carries at most the largest tree, or a prompt-lookup chain of ``lookup_tokens`` when that is longer. A static tree: its node count. Chains: one token per head at most.
 
     Raises:
         EntMTPConfigError: a ``num_speculative_tokens`` that contradicts the trees or the heads.
@@ -85,6 +89,9 @@ def _draft_budget(options, heads_cfg, heads_dir, num_spec: int | None):
         ladder = TreeScheduler.from_config(options, tree_set).ladder
         largest = max([t.num_nodes for t in ladder if t is not None] or [1])  # "none" bins draft nothing
         in_set = max(t.num_nodes for _, t in tree_set.trees)
+        if options.draft_sources != "heads":  # prompt lookup drafts chains of up to lookup_tokens
+            largest = max(largest, options.lookup_tokens)
+            in_set = max(in_set, options.lookup_tokens)
         if num_spec is not None and not largest <= num_spec <= in_set:
             raise EntMTPConfigError(
                 f"method 'entmtp': num_speculative_tokens={num_spec}, but the scheduled trees of tree_set "
@@ -107,6 +114,22 @@ def _draft_budget(options, heads_cfg, heads_dir, num_spec: int | None):
             f"{heads_cfg.num_heads} heads, and a chain of draft tokens takes one token per head; allowed: "
             f"1..{heads_cfg.num_heads}")
     return num_spec, None, None, None
+
+
+def lookup_bounds(spec) -> tuple[int, int]:
+    """``(prompt_lookup_min, prompt_lookup_max)`` of a SpeculativeConfig for entmtp's prompt lookup (entmtp's
+    defaults where the user gave neither; one given alone bounds the other's default).
+
+    Raises:
+        EntMTPConfigError: ``prompt_lookup_min`` > ``prompt_lookup_max``."""
+    from vllm_entmtp.lookup import DEFAULT_LOOKUP_MAX, DEFAULT_LOOKUP_MIN
+
+    lo, hi = getattr(spec, "prompt_lookup_min", None), getattr(spec, "prompt_lookup_max", None)
+    lo_ = lo if lo is not None else min(DEFAULT_LOOKUP_MIN, hi or DEFAULT_LOOKUP_MIN)
+    hi_ = hi if hi is not None else max(DEFAULT_LOOKUP_MAX, lo or 0)
+    if lo_ > hi_:
+        raise EntMTPConfigError(f"method 'entmtp': prompt_lookup_min={lo_} must be <= prompt_lookup_max={hi_}")
+    return lo_, hi_
 
 
 def apply() -> None:
@@ -141,6 +164,8 @@ def apply() -> None:
         heads_dir = resolve_heads(self.model, self.target_model_config)
         heads_cfg = _check_heads_fit(heads_dir, self.target_model_config)
         options = resolve_policy(options, self.num_speculative_tokens is not None, heads_cfg.num_heads)
+        # vLLM's prompt_lookup_min / _max, for entmtp's prompt lookup (vLLM's medusa set-up zeroes them)
+        lookup = lookup_bounds(self)
         if options.confidence_heads > heads_cfg.num_heads:
             raise EntMTPConfigError(
                 f"method 'entmtp': confidence_heads={options.confidence_heads}, but the heads {heads_dir} have "
@@ -150,6 +175,12 @@ def apply() -> None:
         self.model = str(heads_dir)
         self.method = INNER_METHOD
         orig_post_init(self)
+        if not getattr(SC, "_entmtp_explained", False):  # once per process
+            SC._entmtp_explained = True
+            logger.info("entmtp: runs inside vLLM as its %r method (same plumbing: the heads read the target's "
+                        "hidden states), so vLLM's own lines about 'MedusaModel', %r-based speculative decoding "
+                        "and SpeculativeConfig(method=%r) refer to entmtp", INNER_METHOD, INNER_METHOD,
+                        INNER_METHOD)
         # FasterDecoding configs may lack hidden_size (vLLM's MedusaConfig then says 4096): take the heads'.
         draft = self.draft_model_config
         draft.hf_config.hidden_size = draft.model_arch_config.hidden_size = heads_cfg.hidden_size
@@ -158,6 +189,7 @@ def apply() -> None:
         self.entmtp_heads = str(heads_dir)
         self.entmtp_tree = [list(p) for p in tree.paths] if tree is not None else None
         self.entmtp_tree_id = tree_id
+        self.entmtp_lookup = lookup
 
     SC.__post_init__ = __post_init__
     rebuild_dataclass(SC, force=True)

@@ -1,0 +1,110 @@
+"""Prompt lookup (vllm_entmtp.lookup) and how the scheduler weighs it against the heads (fit_lookup)."""
+import numpy as np
+import pytest
+
+from vllm_entmtp.lookup import PromptLookup, expected_chain_accepted
+from vllm_entmtp.scheduler import TreeScheduler
+from vllm_entmtp.step_costs import StepCosts
+from vllm_entmtp.trees import load_tree_set
+
+
+def test_draft_is_what_followed_the_longest_earlier_match():
+    lk = PromptLookup(min_n=2, max_n=4, max_tokens=3)
+    #        0  1  2  3  4  5  6  7  8  9 10 11
+    toks = [5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7]  # the last "6 7" occurs earlier at 1 and at 6
+    # the longest match, and among equally long ones the latest (vLLM's ngram: the earliest) -> after 6: 2 3 6
+    assert lk.propose(np.array(toks, dtype=np.int32)) == [2, 3, 6]
+    toks2 = [1, 2, 3, 4, 5, 9, 9, 2, 3, 4]  # "2 3 4" (3 tokens) beats any 2-token match
+    assert lk.propose(np.array(toks2, dtype=np.int32)) == [5, 9, 9]
+    assert lk.propose(np.array(toks2, dtype=np.int32), max_tokens=1) == [5]
+    assert lk.propose(np.array([1, 2, 3, 4], dtype=np.int32)) == []  # no repeat: no draft
+
+
+def test_propose_batch_reads_each_rows_own_tokens_and_budget():
+    lk = PromptLookup(min_n=2, max_n=4, max_tokens=4)
+    ids = np.zeros((3, 16), dtype=np.int32)
+    ids[0, :8] = [1, 2, 3, 4, 5, 6, 1, 2]
+    ids[1, :6] = [7, 8, 9, 7, 8, 0]  # its last two tokens do not repeat (and the row's padding is not read)
+    ids[2, :8] = [1, 2, 3, 4, 5, 6, 1, 2]
+    got = lk.propose_batch(ids, [8, 6, 8], rows=[0, 1, 2], budgets=[4, 4, 2])
+    assert got == {0: [3, 4, 5, 6], 2: [3, 4]}
+
+
+def test_expected_accepted_follows_the_requests_record():
+    assert expected_chain_accepted(0.5, 4) == pytest.approx(0.5 + 0.25 + 0.125 + 0.0625)
+    assert expected_chain_accepted(1.0, 3) == 3.0 and expected_chain_accepted(0.0, 3) == 0.0
+    lk = PromptLookup(prior=0.5, window=4)
+    assert lk.acceptance_probability("r") == 0.5
+    for _ in range(6):
+        lk.observe("r", 4, 4)  # everything accepted: no rejection observed
+    high = lk.acceptance_probability("r")
+    assert high > 0.9 and lk.expected("r", 4) > 3.0
+    for _ in range(10):  # about 2.5 windows of rejections at once
+        lk.observe("r", 4, 0)
+    assert lk.acceptance_probability("r") < 0.3 < high
+    assert lk.acceptance_probability("other") == 0.5  # per request
+    lk.free_missing({"other"})
+    assert lk.tracked_ids() == set()
+
+
+def test_bad_bounds_are_refused():
+    with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max"):
+        PromptLookup(min_n=4, max_n=2)
+
+
+def _measured_scheduler():
+    return TreeScheduler(load_tree_set("default"), "confidence", load_policy="measured")
+
+
+def _costs(per_row_ms: float, rows=(1, 2, 4, 8, 16, 32, 64, 128)) -> StepCosts:
+    c = StepCosts()
+    for r in rows:
+        for _ in range(3):
+            c.record_rows(r, (20.0 + per_row_ms * r) / 1e3)
+    return c
+
+
+def test_lookup_wins_where_it_expects_more_than_the_heads_draft():
+    s = TreeScheduler(load_tree_set("default"), "confidence", load_policy="cap")
+    # request 0: heads expect 1.2, lookup 2.0 -> lookup; request 1: heads 1.5, lookup 0.4 -> heads;
+    # request 2: no heads draft, lookup 0.3 -> lookup (anything beats nothing without measured costs)
+    got = s.fit_lookup(3, nodes=[4, 4, 0], acc=[1.2, 1.5, 0.0], cands={0: (4, 2.0), 1: (4, 0.4), 2: (2, 0.3)},
+                       costs=None)
+    assert got == [0, 2]
+
+
+def test_under_measured_costs_a_lookup_draft_must_pay_for_its_rows():
+    s = _measured_scheduler()
+    cands = {i: (4, 0.3) for i in range(16)}  # weak lookup drafts, no heads drafts
+    cheap, dear = _costs(0.01), _costs(3.0)  # rows almost free / a row costs as much as a request
+    assert s.fit_lookup(16, [0] * 16, [0.0] * 16, cands, cheap) == list(range(16))
+    assert s.fit_lookup(16, [0] * 16, [0.0] * 16, cands, dear) == []
+    strong = {i: (4, 3.5) for i in range(16)}
+    assert len(s.fit_lookup(16, [0] * 16, [0.0] * 16, strong, dear)) > 0  # strong ones still pay
+
+
+def test_best_expected_bounds_the_heads_and_scales_with_the_record():
+    s = _measured_scheduler()
+    best = s.best_expected("r")
+    assert 0 < best < float("inf")
+    for _ in range(8):
+        s.observe_acceptance("r", expected=2.0, accepted=0)  # the heads do badly for this request
+    assert s.best_expected("r") < best
+    assert TreeScheduler(load_tree_set("default"), "confidence", load_policy="cap").best_expected("r") == \
+        float("inf")  # no statistics loaded under the cap: nothing to compare with before the heads run
+
+
+def test_a_lookup_draft_not_drafted_is_scored_against_what_the_target_emitted():
+    lk = PromptLookup(prior=0.5, window=4)
+    text = np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=np.int32)
+    lk.remember("r", [4, 5, 9, 9], num_tokens=3)  # proposed after [1, 2, 3]; the target went on 4 5 6 ...
+    lk.score_unsent("r", text)
+    assert lk._record["r"] == pytest.approx([0.75 * 1.0 + 2, 0.75 * 1.0 + 1])  # 2 accepted, then a rejection
+    lk.remember("s", [4, 5, 6], num_tokens=3)
+    lk.score_unsent("s", text[:5])  # only 4 5 emitted since: both match, the rest unseen (no rejection)
+    assert lk._record["s"] == pytest.approx([0.75 * 1.0 + 2, 0.75 * 1.0])
+    lk.score_unsent("s", text)  # scored once
+    assert lk._record["s"] == pytest.approx([0.75 * 1.0 + 2, 0.75 * 1.0])
+    lk.remember("t", [4], num_tokens=3)
+    lk.free_missing({"r"})
+    assert lk.tracked_ids() == {"r"}

@@ -10,7 +10,10 @@ For each method (a ``--speculative-config``, or none) the script starts ``vllm s
 process group) before the next method starts. Servers run `--dtype float32` on CPUs without AVX-512 BF16, as
 `make serve` does (`--serve-args "--dtype bfloat16"` overrides). The methods:
 
-* ``plain``: no speculation;
+* ``plain``: no speculation, in the run's dtype; ``plain-float32`` and ``plain-bfloat16``: the same in that dtype
+  (whatever ``--serve-args`` says). Every speed ratio and target is taken against ``plain-best``: per task,
+  concurrency and repeat the fastest plain method that ran, so that speculation is measured against plain
+  decoding in its fastest dtype on this machine;
 * ``ngram``: vLLM's prompt-lookup drafting (4 tokens, n-grams of 2..4);
 * ``vllm-medusa``: vLLM's own Medusa (a chain of 4) with the shipped Medusa heads, converted for it (vLLM does
   not share the target's lm_head with Medusa heads: a copy goes into the checkpoint,

@@ -8,6 +8,10 @@ from throughput import BenchmarkError
 
 TASKS = ("humaneval", "gsm8k", "sharegpt", "creative")
 BASELINES = ("ngram", "vllm-medusa", "medusa-tree", "hydra-tree", "entmtp-heads")  # a "vs" column each, if run
+#: Plain decoding: in the run's dtype, and in each dtype named. ``plain-best`` (not a server of its own) is, per
+#: task, concurrency and repeat, the fastest of those that ran: the baseline every speed claim is made against.
+PLAIN_METHODS = ("plain", "plain-float32", "plain-bfloat16")
+PLAIN_BEST = "plain-best"
 SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 STATIC_TREE = {"tree_set": "ladder", "tree_id": "mc12"}
 
@@ -18,6 +22,7 @@ class Method:
     spec: dict | None  # --speculative-config; None: no speculation
     note: str = ""
     only_task: str | None = None  # runs this task only (a tree set tuned to it); None: every task
+    dtype: str | None = None  # the server's --dtype; None: the run's (``--serve-args`` or the machine's default)
 
 
 def is_entmtp(spec: dict | None) -> bool:
@@ -25,7 +30,7 @@ def is_entmtp(spec: dict | None) -> bool:
 
 
 def method_order(tasks=TASKS) -> list[str]:
-    return ["plain", "ngram", "vllm-medusa", "medusa-tree", "hydra-tree", "entmtp", "entmtp-heads",
+    return [*PLAIN_METHODS, "ngram", "vllm-medusa", "medusa-tree", "hydra-tree", "entmtp", "entmtp-heads",
             *(f"entmtp-{t}" for t in tasks)]
 
 
@@ -41,16 +46,18 @@ def method_table(heads: dict, tree_sets: dict, preferred_kinds=("hydra", "medusa
     skipped: dict[str, str] = {}
 
     def add(name: str, spec: dict | None, note: str = "", missing: str | None = None,
-            only_task: str | None = None) -> None:
+            only_task: str | None = None, dtype: str | None = None) -> None:
         if missing:
             skipped[name] = missing
         else:
-            available[name] = Method(name, spec, note, only_task)
+            available[name] = Method(name, spec, note, only_task, dtype)
 
     def no_heads(kind: str) -> str | None:
         return None if kind in heads else f"no {kind.capitalize()} heads are shipped for {SERVED_MODEL_NAME}"
 
-    add("plain", None, "no speculation")
+    add("plain", None, "no speculation, the run's dtype")
+    for dtype in ("float32", "bfloat16"):
+        add(f"plain-{dtype}", None, f"no speculation, {dtype}", dtype=dtype)
     add("ngram", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
         "vLLM's prompt lookup: a chain of 4")
     medusa = str(heads.get("medusa", ""))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import throughput as tp
 from compare_aggregate import aggregate, merge_tree_choice, peak_memory, pooled_mal, stat, targets
-from compare_methods import BASELINES, SERVED_MODEL_NAME, is_entmtp
+from compare_methods import BASELINES, PLAIN_BEST, SERVED_MODEL_NAME, is_entmtp
 from compare_server import portable
 
 
@@ -55,7 +55,7 @@ def render_report(doc: dict) -> str:
     methods = list(s["methods"])
     rows = {(r["method"], r["task"], r["concurrency"]): r for r in doc["aggregate"]}
     ran = {r["method"] for r in doc["aggregate"]}
-    baselines = [b for b in ("plain", *BASELINES) if b in ran]
+    baselines = [b for b in (PLAIN_BEST, *BASELINES) if b in ran]
     multi = s["repeats"] > 1
     out = ["# Speculative decoding: side-by-side comparison", "",
            f"- command: `{doc['command']}`",
@@ -103,7 +103,8 @@ def render_report(doc: dict) -> str:
         out += [f"| {g['target']} | {g['needed']} | {g['measured']} | "
                 f"{'-' if g['met'] is None else ('yes' if g['met'] else 'no')} |" for g in goals]
     out += ["", "Columns: output tokens/s over the level; `vs X`: that divided by method X's (same task, "
-            "concurrency and repeat); MAL: mean acceptance length including the bonus token (1 + accepted / "
+            f"concurrency and repeat); `{PLAIN_BEST}`: the fastest plain method of each repeat (which one, in "
+            "brackets); MAL: mean acceptance length including the bonus token (1 + accepted / "
             "drafts; 1.00 = no draft token accepted); TPOT: median time per output token after the first."]
     for task in s["tasks"]:
         out += ["", f"## {task}"]
@@ -120,7 +121,8 @@ def render_report(doc: dict) -> str:
                 cells = [fmt_stat(r["output_throughput"], ".1f")]
                 cells += [fmt_stat(r["ratios"].get(b), ".2f", "x") for b in baselines]
                 cells += [fmt_stat(r["mal"], ".2f"), fmt_stat(r["median_tpot_ms"], ".1f"), str(r["failed"])]
-                out.append(f"| {name} | " + " | ".join(cells) + " |")
+                label = name if name != PLAIN_BEST else f"{name} ({', '.join(r.get('plain_methods', []))})"
+                out.append(f"| {label} | " + " | ".join(cells) + " |")
             shares = [(n, rows[(n, task, conc)]["tree_choice_shares"]) for n in present
                       if is_entmtp(s["methods"].get(n, {}).get("speculative_config"))]
             if shares:
@@ -146,7 +148,7 @@ def render_headline(doc: dict, method: str = "entmtp") -> str:
     ran = {r["method"] for r in doc["aggregate"]}
     bases = [b for b in BASELINES if b in ran]
     low = min(s["concurrency"])
-    cols = [f"vs plain, c{c}" for c in s["concurrency"]] + [f"vs {b}, c{low}" for b in bases]
+    cols = [f"vs {PLAIN_BEST}, c{c}" for c in s["concurrency"]] + [f"vs {b}, c{low}" for b in bases]
     out = [f"`{method}` (`{json.dumps((s['methods'].get(method) or {}).get('speculative_config'))}`), output "
            f"tokens/s as a ratio, measured in one run ({doc['date'][:10]}, {doc['machine'].get('cpu_model')}, "
            f"{doc['machine'].get('usable_cpus')} CPUs; {s['num_requests']} requests of at most {s['max_tokens']} "
@@ -156,7 +158,7 @@ def render_headline(doc: dict, method: str = "entmtp") -> str:
         cells = []
         for c in s["concurrency"]:
             r = rows.get((method, task, c))
-            cells.append(fmt_stat(r and r["ratios"].get("plain"), ".2f", "x"))
+            cells.append(fmt_stat(r and r["ratios"].get(PLAIN_BEST), ".2f", "x"))
         r = rows.get((method, task, low))
         cells += [fmt_stat(r and r["ratios"].get(b), ".2f", "x") for b in bases]
         cells.append(fmt_stat(r and r["mal"], ".2f"))

@@ -60,7 +60,13 @@ def serve_command(vllm: str, model: str, method: Method, port: int, enforce_eage
         cmd += ["--speculative-config", json.dumps(method.spec)]
     if enforce_eager:
         cmd.append("--enforce-eager")
-    return cmd + list(extra)
+    extra = list(extra)
+    if method.dtype is not None:  # the method's own dtype replaces the run's
+        while "--dtype" in extra:
+            i = extra.index("--dtype")
+            del extra[i:i + 2]
+        extra = [a for a in extra if not a.startswith("--dtype=")] + ["--dtype", method.dtype]
+    return cmd + extra
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

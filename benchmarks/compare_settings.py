@@ -77,6 +77,10 @@ def make_settings(args: argparse.Namespace, available: dict[str, Method], skippe
         for m in methods:
             if m.only_task is not None and m.only_task not in tasks:
                 skipped[m.name] = f"runs task {m.only_task!r} only, which is not in --tasks"
+        dtype = serve_args[serve_args.index("--dtype") + 1] if "--dtype" in serve_args else None
+        for m in methods:  # plain in the run's own dtype is `plain` already
+            if m.spec is None and m.dtype is not None and m.dtype == dtype:
+                skipped[m.name] = f"the run's dtype is {dtype}: the same as plain"
         methods = [m for m in methods if m.name not in skipped]
     return Settings(
         methods=methods, skipped=skipped, tasks=tasks, concurrency=tp.parse_concurrency(pick["concurrency"]),

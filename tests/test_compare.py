@@ -52,14 +52,15 @@ def checkout(tmp_path, monkeypatch):
 
 def test_method_table_with_everything_shipped(checkout, tmp_path):
     available, skipped = checkout(heads=("medusa", "hydra"), tree_sets=("humaneval", "gsm8k", "default"))
-    assert list(available) == ["plain", "ngram", "vllm-medusa", "medusa-tree", "hydra-tree", "entmtp",
+    assert list(available) == ["plain", "plain-float32", "plain-bfloat16", "ngram", "vllm-medusa", "medusa-tree", "hydra-tree", "entmtp",
                                "entmtp-heads", "entmtp-humaneval", "entmtp-gsm8k"]
     assert available["entmtp-heads"].spec == {"method": "entmtp", "draft_sources": "heads"}
     assert set(skipped) == {"entmtp-sharegpt", "entmtp-creative"}
     assert "trees/sharegpt.json" in skipped["entmtp-sharegpt"]
     medusa = str(tmp_path / "assets" / "heads" / "SmolLM2-135M-Instruct" / "medusa")
     hydra = medusa.replace("medusa", "hydra")
-    assert available["plain"].spec is None
+    assert available["plain"].spec is None and available["plain"].dtype is None  # the run's dtype
+    assert available["plain-bfloat16"].spec is None and available["plain-bfloat16"].dtype == "bfloat16"
     assert available["ngram"].spec == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                                        "prompt_lookup_min": 2}
     assert available["vllm-medusa"].spec == {"method": "medusa", "model": medusa, "num_speculative_tokens": 4}
@@ -82,7 +83,7 @@ def test_method_table_medusa_only(checkout):
 
 def test_method_table_without_heads(checkout):
     available, skipped = checkout(heads=(), tree_sets=("creative",))
-    assert list(available) == ["plain", "ngram"]
+    assert list(available) == ["plain", "plain-float32", "plain-bfloat16", "ngram"]
     assert skipped["vllm-medusa"] == "no Medusa heads are shipped for SmolLM2-135M-Instruct"
     assert "no heads are shipped" in skipped["entmtp"]
     assert "no heads are shipped" in skipped["entmtp-creative"]
@@ -92,7 +93,7 @@ def test_select_methods(checkout):
     available, skipped = checkout(heads=("medusa",))
     assert [m.name for m in cm.select_methods(None, available, skipped)] == list(available)
     assert [m.name for m in cm.select_methods("entmtp, plain,entmtp", available, skipped)] == ["entmtp", "plain"]
-    with pytest.raises(tp.BenchmarkError, match="unknown method 'eagle'; known: plain, ngram"):
+    with pytest.raises(tp.BenchmarkError, match="unknown method 'eagle'; known: plain, plain-float32, plain-bfloat16, ngram"):
         cm.select_methods("plain,eagle", available, skipped)
     with pytest.raises(tp.BenchmarkError, match="method 'hydra-tree' is not available: no Hydra heads"):
         cm.select_methods("hydra-tree", available, skipped)
@@ -127,8 +128,11 @@ def test_quick_defaults_and_overrides(checkout):
                          "--max-tokens", "32"])
     assert ([m.name for m in s.methods], s.tasks, s.num_requests, s.max_tokens) == (
         ["plain", "entmtp"], ["humaneval"], 2, 32)
+    s = settings(table, ["--serve-args", "--dtype float32"])
+    assert [m.name for m in s.methods] == ["plain", "plain-bfloat16", "ngram", "vllm-medusa", "medusa-tree",
+                                           "entmtp", "entmtp-heads"]  # plain in the other dtype, once
+    assert "same as plain" in s.skipped["plain-float32"]
     s = settings(table, [])
-    assert [m.name for m in s.methods] == ["plain", "ngram", "vllm-medusa", "medusa-tree", "entmtp", "entmtp-heads"]
     assert (s.tasks, s.concurrency, s.repeats, s.port) == (list(cm.TASKS), [1, 4, 16], 1, 8123)
 
 
@@ -136,7 +140,8 @@ def test_per_task_tree_sets_run_their_own_task_only(checkout):
     table = checkout(heads=("hydra",), tree_sets=("humaneval", "gsm8k"))
     assert table[0]["entmtp-gsm8k"].only_task == "gsm8k" and table[0]["entmtp"].only_task is None
     s = settings(table, ["--tasks", "gsm8k,sharegpt"])
-    assert [m.name for m in s.methods] == ["plain", "ngram", "hydra-tree", "entmtp", "entmtp-heads", "entmtp-gsm8k"]
+    assert [m.name for m in s.methods if not m.name.startswith("plain-")] == [
+        "plain", "ngram", "hydra-tree", "entmtp", "entmtp-heads", "entmtp-gsm8k"]
     assert s.skipped["entmtp-humaneval"] == "runs task 'humaneval' only, which is not in --tasks"
     with pytest.raises(tp.BenchmarkError, match="'entmtp-humaneval' runs task 'humaneval' only"):
         settings(table, ["--tasks", "gsm8k", "--methods", "plain,entmtp-humaneval"])
@@ -187,6 +192,12 @@ def test_serve_command():
                    "--port", "8123", "--gpu-memory-utilization", "0.5", "--speculative-config",
                    '{"method": "entmtp"}', "--enforce-eager", "--max-num-seqs", "8"]
     assert "--speculative-config" not in srv.serve_command("vllm", "/m", cm.Method("plain", None), 1)
+    # a method's own dtype replaces the run's, in either spelling
+    bf16 = cm.Method("plain-bfloat16", None, dtype="bfloat16")
+    for extra in (["--dtype", "float32", "--max-num-seqs", "8"], ["--dtype=float32", "--max-num-seqs", "8"]):
+        assert srv.serve_command("vllm", "/m", bf16, 1, extra=extra)[-4:] == ["--max-num-seqs", "8", "--dtype",
+                                                                              "bfloat16"]
+    assert srv.serve_command("vllm", "/m", m, 1, extra=["--dtype", "float32"])[-2:] == ["--dtype", "float32"]
 
 
 # ------------------------------------------------------------------------------------------ aggregation
@@ -226,14 +237,14 @@ def hand_runs():
 
 def test_aggregate_ratios_per_repeat():
     rows = {(r["method"], r["task"], r["concurrency"]): r for r in agg.aggregate(hand_runs())}
-    assert len(rows) == 6
+    assert len(rows) == 8  # 3 methods and plain-best, 2 levels
     e1 = rows[("entmtp", "humaneval", 1)]
     assert e1["repeats"] == [0, 1]
     assert e1["output_throughput"] == {"mean": 25.0, "min": 20.0, "max": 30.0, "std": 5.0, "n": 2}
     assert e1["ratios"]["plain"]["mean"] == pytest.approx(2.0)  # (30/10 + 20/20) / 2
     assert (e1["ratios"]["plain"]["min"], e1["ratios"]["plain"]["max"]) == (1.0, 3.0)
     assert e1["ratios"]["ngram"]["mean"] == pytest.approx(1.25)  # (30/20 + 20/20) / 2
-    assert set(e1["ratios"]) == {"plain", "ngram"}  # baselines that did not run get no ratio
+    assert set(e1["ratios"]) == {"plain-best", "plain", "ngram"}  # baselines that did not run get no ratio
     assert e1["mal"]["mean"] == pytest.approx(2.5)  # MAL 2.0 and 3.0
     assert e1["median_tpot_ms"]["mean"] == pytest.approx(6.0)
     assert e1["tree_choice_shares"] == {"mc12": 0.8, "none": 0.2}  # 8 + 2 pooled over the repeats
@@ -241,6 +252,25 @@ def test_aggregate_ratios_per_repeat():
     assert p1["mal"] is None and p1["tree_choice_shares"] == {}
     assert p1["ratios"]["plain"]["mean"] == 1.0
     assert rows[("ngram", "humaneval", 4)]["mal"]["mean"] == 1.0  # drafts, none accepted
+
+
+def test_plain_best_is_the_fastest_plain_per_repeat():
+    """plain-best takes, per repeat, the faster of the plain methods that ran; ratios against it are per repeat."""
+    runs = hand_runs() + [
+        run("plain-bfloat16", "humaneval", 0, [level(1, 15.0, drafts=None), level(4, 30.0, drafts=None)]),
+        run("plain-bfloat16", "humaneval", 1, [level(1, 10.0, drafts=None), level(4, 50.0, drafts=None)])]
+    rows = {(r["method"], r["task"], r["concurrency"]): r for r in agg.aggregate(runs)}
+    best1, best4 = rows[("plain-best", "humaneval", 1)], rows[("plain-best", "humaneval", 4)]
+    assert best1["output_throughput"]["min"] == 15.0 and best1["output_throughput"]["max"] == 20.0
+    assert best1["plain_methods"] == ["plain", "plain-bfloat16"]  # bfloat16 won repeat 0, plain repeat 1
+    assert best4["output_throughput"]["mean"] == 45.0 and best4["plain_methods"] == ["plain", "plain-bfloat16"]
+    e1 = rows[("entmtp", "humaneval", 1)]
+    assert e1["ratios"]["plain-best"]["mean"] == pytest.approx((30 / 15 + 20 / 20) / 2)
+    assert e1["ratios"]["plain-bfloat16"]["mean"] == pytest.approx((30 / 15 + 20 / 10) / 2)
+    # with one plain method, plain-best is it
+    rows = {(r["method"], r["task"], r["concurrency"]): r for r in agg.aggregate(hand_runs())}
+    assert rows[("entmtp", "humaneval", 1)]["ratios"]["plain-best"] == rows[("entmtp", "humaneval", 1)][
+        "ratios"]["plain"]
 
 
 def test_aggregate_missing_repeat_of_baseline():
@@ -286,11 +316,12 @@ def test_render_report():
     assert "order was rotated every repeat" in md
     assert "- hydra-tree: no Hydra heads are shipped" in md
     assert '| entmtp | `{"method": "entmtp"}` | note entmtp | 60 [60–61] |' in md
-    assert "| method | out tok/s | vs plain | vs ngram | MAL | TPOT ms | failed |" in md
+    assert "| method | out tok/s | vs plain-best | vs ngram | MAL | TPOT ms | failed |" in md
     section = md.split("### humaneval, concurrency 1")[1].split("###")[0]
     assert "| plain | 15.0 [10.0–20.0] | 1.00x [1.00–1.00] | 0.75x [0.50–1.00] | - | 10.0 [10.0–10.0] | 0 |" \
         in section
     assert "| entmtp | 25.0 [20.0–30.0] | 2.00x [1.00–3.00] | 1.25x [1.00–1.50] | 2.50 [2.00–3.00] |" in section
+    assert "| plain-best (plain) | 15.0 [10.0–20.0] | 1.00x [1.00–1.00] |" in section
     assert "| entmtp | mc12 80%, none 20% |" in section
     assert "| ngram |" not in section.split("tree-choice shares")[1]  # shares only for entmtp methods
     assert "| entmtp | mc24 100% |" in md.split("### humaneval, concurrency 4")[1]
@@ -317,15 +348,19 @@ def test_targets_read_against_a_run():
     doc = hand_doc(target_runs(fast, 40.0, {"plain": 1000.0, "entmtp": 1100.0}))
     doc["aggregate"] = agg.aggregate(doc["runs"])
     got = {g["target"]: g for g in agg.targets(doc)}
-    assert [got[f"entmtp / plain, {t}, concurrency 1"]["met"] for t in cm.TASKS] == [True, True, True, False]
-    assert got["entmtp / plain, creative, concurrency 1"]["measured"] == "1.20x"
+    assert [got[f"entmtp / plain-best, {t}, concurrency 1"]["met"] for t in cm.TASKS] == [True, True, True, False]
+    assert got["entmtp / plain-best, creative, concurrency 1"]["measured"] == "1.20x"
     ngram = got["entmtp / ngram, best task, concurrency 1"]
     assert ngram["met"] and ngram["measured"].startswith("1.68x (humaneval); ")  # 21 / 12.5
     medusa = got["entmtp / vllm-medusa, best task, concurrency 1"]
     assert medusa["met"] and medusa["measured"].startswith("1.50x (humaneval)")
     hydra = got["entmtp / hydra-tree, mean of the four tasks, concurrency 1"]
     assert hydra["measured"] == f"{(21 + 20 + 15 + 12) / 4 / 16:.2f}x" and hydra["met"] is False
-    assert got["entmtp / plain, every task, concurrency 16"]["met"] is True  # equal to plain is not below it
+    assert got["entmtp / plain-best, every task, concurrency 16"]["met"] is True  # equal to plain is not below it
+    below = got["entmtp / ngram, every task and concurrency"]  # creative c1: 12 < 12.5
+    assert below["met"] is False and "creative c1 0.96x" in below["measured"] and "humaneval c16 1.00x" in \
+        below["measured"]
+    assert got["entmtp / entmtp-heads, every task and concurrency"]["met"] is None  # did not run
     mem = got["entmtp peak server memory / plain's"]
     assert mem["met"] is True and mem["measured"] == "1.100x (1100 / 1000 MiB)"
 
@@ -333,8 +368,8 @@ def test_targets_read_against_a_run():
     doc = hand_doc(target_runs(slow, 39.0, {"plain": 1000.0, "entmtp": 1101.0}))
     doc["aggregate"] = agg.aggregate(doc["runs"])
     got = {g["target"]: g for g in agg.targets(doc)}
-    assert got["entmtp / plain, gsm8k, concurrency 1"]["met"] is False
-    assert got["entmtp / plain, every task, concurrency 16"]["met"] is False
+    assert got["entmtp / plain-best, gsm8k, concurrency 1"]["met"] is False
+    assert got["entmtp / plain-best, every task, concurrency 16"]["met"] is False
     assert got["entmtp peak server memory / plain's"]["met"] is False
 
     # what the run lacks is not judged: no c16 level, no hydra-tree, no memory readings
@@ -345,12 +380,12 @@ def test_targets_read_against_a_run():
     doc["aggregate"] = agg.aggregate(doc["runs"])
     got = {g["target"]: g for g in agg.targets(doc)}
     assert got["entmtp / hydra-tree, mean of the four tasks, concurrency 1"]["met"] is None
-    assert got["entmtp / plain, every task, concurrency 16"]["met"] is None
+    assert got["entmtp / plain-best, every task, concurrency 16"]["met"] is None
     assert got["entmtp peak server memory / plain's"]["met"] is None
-    assert got["entmtp / plain, humaneval, concurrency 1"]["met"] is True
+    assert got["entmtp / plain-best, humaneval, concurrency 1"]["met"] is True
     doc["targets"] = agg.targets(doc)
     md = rep.render_report(doc)
-    assert "| entmtp / plain, humaneval, concurrency 1 | >= 1.60x | 2.10x | yes |" in md
+    assert "| entmtp / plain-best, humaneval, concurrency 1 | >= 1.60x | 2.10x | yes |" in md
     assert "| entmtp / hydra-tree, mean of the four tasks, concurrency 1 | >= 1.15x | - | - |" in md
 
 
@@ -381,7 +416,7 @@ def test_write_outputs(tmp_path):
     rep.write_outputs(doc, tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["plots"] == ["throughput.png", "mal.png", "tree_choice.png"]
-    assert len(saved["aggregate"]) == 6
+    assert len(saved["aggregate"]) == 8  # 3 methods and plain-best, 2 levels
     for name in saved["plots"]:
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "report.md").read_text() == rep.render_report(saved)
@@ -421,7 +456,7 @@ def test_headline_quotes_the_results():
     doc["aggregate"] = agg.aggregate(doc["runs"])
     doc["targets"] = agg.targets(doc)
     md = rep.render_headline(doc)
-    assert ("| task | vs plain, c1 | vs plain, c16 | vs ngram, c1 | vs vllm-medusa, c1 | vs hydra-tree, c1 | "
+    assert ("| task | vs plain-best, c1 | vs plain-best, c16 | vs ngram, c1 | vs vllm-medusa, c1 | vs hydra-tree, c1 | "
             "MAL, c1 |") in md
     assert "| humaneval | 2.10x | 1.00x | 1.68x | 1.50x | 1.31x | - |" in md  # 21/10, 40/40, 21/12.5, 21/14, 21/16
     assert "| entmtp peak server memory / plain's | <= 1.10x | 1.100x (1100 / 1000 MiB) | yes |" in md

@@ -21,6 +21,9 @@ process group) before the next method starts. Servers run `--dtype float32` on C
 * ``medusa-tree`` / ``hydra-tree``: entmtp with the shipped Medusa / Hydra heads and the static tree ``mc12`` of
   the tree set ``ladder``;
 * ``entmtp``: ``{"method": "entmtp"}``, the plugin's defaults;
+* ``static-<tree>``: entmtp with one static tree of the set ``default`` (chains of 1, 2, 3 tokens and the tree
+  ``b2n4``) for every request and step, heads only, run on the task ``mixed`` only: the static configurations the
+  per-request schedule is measured against;
 * ``entmtp-<task>``: entmtp with the tree set named after a task (``trees/<task>.json``), scheduled by the signal
   of its schedule, run on that task only.
 
@@ -30,6 +33,9 @@ Output (``--out``, default ``runs/compare-<timestamp>``): ``raw/`` (one JSON per
 throughput result document), ``servers/`` (the server logs), ``results.json`` (settings, machine, every run and
 the aggregates), ``report.md`` (tables per task and concurrency) and the plots ``throughput.png``, ``mal.png``,
 ``tree_choice.png``.
+
+The tasks: ``humaneval``, ``gsm8k``, ``sharegpt``, ``creative`` and ``mixed`` (their prompts in turn: code, math,
+chat and fiction requests in one batch).
 
 Speed depends on the machine and on whatever else runs on it, so the report gives ratios between methods measured
 within this one run; with ``--repeats N`` the order of the methods is rotated every repeat and each figure is the
@@ -70,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--concurrency", default=None,
                     help=f"requests in flight, levels such as 1,4,16 (default {DEFAULTS['concurrency']})")
     ap.add_argument("--num-requests", type=int, default=None,
-                    help=f"requests per level, each a different prompt (default {DEFAULTS['num_requests']})")
+                    help=f"requests per level, each a different prompt, and at least as many as the level keeps in "
+                         f"flight (default {DEFAULTS['num_requests']})")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help=f"output tokens per request at most (default {DEFAULTS['max_tokens']})")
     ap.add_argument("--repeats", type=int, default=1,

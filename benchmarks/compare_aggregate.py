@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import throughput as tp
-from compare_methods import BASELINES, PLAIN_BEST, PLAIN_METHODS
+from compare_methods import BASELINES, PLAIN_BEST, PLAIN_METHODS, STATIC_TREES
 
 
 def stat(values: list[float]) -> dict | None:
@@ -78,7 +78,7 @@ def aggregate(runs: list[dict]) -> list[dict]:
             return stat([lv.get(name) for lv in reps.values()])
 
         ratios = {}
-        for base in (PLAIN_BEST, *PLAIN_METHODS, *BASELINES):
+        for base in (PLAIN_BEST, *PLAIN_METHODS, *BASELINES, *STATIC_METHODS):
             base_reps = by_key.get((base, task, conc), {})
             ratios[base] = stat([lv["output_throughput"] / base_reps[r]["output_throughput"]
                                  for r, lv in reps.items()
@@ -107,6 +107,8 @@ VS_BASELINE_TARGETS = {"ngram": 1.6, "vllm-medusa": 1.36}  # on at least one tas
 VS_HYDRA_TARGET = 1.15  # over hydra-tree, mean of the four tasks' ratios, concurrency 1
 LOAD_CONCURRENCY = 16  # never below plain decoding at this concurrency and every higher one that ran
 NEVER_BELOW = ("ngram", "entmtp-heads")  # on every task, at every concurrency that ran
+STATIC_METHODS = tuple(f"static-{t}" for t in STATIC_TREES)
+VS_STATIC_TARGET = 1.05  # the per-request schedule over the best static tree, mixed task, every concurrency > 1
 MEMORY_TARGET = 1.10  # peak server memory over plain's
 
 
@@ -167,6 +169,15 @@ def targets(doc: dict, method: str = "entmtp") -> list[dict]:
         out.append({"target": f"{method} / {base}, every task and concurrency", "needed": ">= 1.00x",
                     "measured": "-" if not got else ", ".join(f"{t} c{c} {v:.2f}x" for (t, c), v in got.items()),
                     "met": verdict(got and min(got.values()) >= 1.0, bool(got))})
+    for who in (method, "entmtp-heads"):
+        for conc in sorted({c for (m, t, c) in rows if m == who and t == "mixed" and c > 1}):
+            r = rows[(who, "mixed", conc)]
+            got = {b: r["ratios"][b]["mean"] for b in STATIC_METHODS if b in r["ratios"]}
+            worst = min(got.items(), key=lambda kv: kv[1]) if got else None
+            out.append({"target": f"{who} / the best static tree, mixed, concurrency {conc}",
+                        "needed": f">= {VS_STATIC_TARGET:.2f}x", "measured": "-" if not got else
+                        f"{worst[1]:.2f}x ({worst[0]}); " + ", ".join(f"{b} {v:.2f}x" for b, v in got.items()),
+                        "met": verdict(got and worst[1] >= VS_STATIC_TARGET, bool(got))})
     mem = peak_memory(doc["runs"])
     plain = min((mem[m] for m in PLAIN_METHODS if m in mem), default=None)
     have = method in mem and plain is not None

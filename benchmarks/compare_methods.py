@@ -6,7 +6,11 @@ from dataclasses import dataclass
 
 from throughput import BenchmarkError
 
-TASKS = ("humaneval", "gsm8k", "sharegpt", "creative")
+TASKS = ("humaneval", "gsm8k", "sharegpt", "creative", "mixed")  # mixed: the four in turn, one batch of all kinds
+TUNED_TASKS = TASKS[:4]  # those with a tree set of their own (entmtp-<task>) and a speed target
+STATIC_TREES = ("b0n1", "b0n2", "b0n3", "b2n4")
+"""Trees of the set ``default`` that ``static-<id>`` drafts for every request and step (chains of 1-3 tokens and a
+tree of 4 nodes), heads only, on the mixed task: the static configurations the per-request schedule must beat."""
 BASELINES = ("ngram", "vllm-medusa", "medusa-tree", "hydra-tree", "entmtp-heads")  # a "vs" column each, if run
 #: Plain decoding: in the run's dtype, and in each dtype named. ``plain-best`` (not a server of its own) is, per
 #: task, concurrency and repeat, the fastest of those that ran: the baseline every speed claim is made against.
@@ -31,7 +35,7 @@ def is_entmtp(spec: dict | None) -> bool:
 
 def method_order(tasks=TASKS) -> list[str]:
     return [*PLAIN_METHODS, "ngram", "vllm-medusa", "medusa-tree", "hydra-tree", "entmtp", "entmtp-heads",
-            *(f"entmtp-{t}" for t in tasks)]
+            *(f"static-{t}" for t in STATIC_TREES), *(f"entmtp-{t}" for t in tasks if t in TUNED_TASKS)]
 
 
 def method_table(heads: dict, tree_sets: dict, preferred_kinds=("hydra", "medusa")
@@ -72,7 +76,13 @@ def method_table(heads: dict, tree_sets: dict, preferred_kinds=("hydra", "medusa
         "by its schedule's signal", None if kind else f"no heads are shipped for {SERVED_MODEL_NAME}")
     add("entmtp-heads", {"method": "entmtp", "draft_sources": "heads"}, "entmtp defaults, drafts from the MTP "
         "heads only (no prompt lookup)", None if kind else f"no heads are shipped for {SERVED_MODEL_NAME}")
-    for task in TASKS:
+    for tree_id in STATIC_TREES:
+        add(f"static-{tree_id}", {"method": "entmtp", "policy": "static", "tree_set": "default",
+                                  "tree_id": tree_id},
+            f"entmtp defaults but one static tree, {tree_id} of the set 'default', for every request and step "
+            "(heads only; mixed only)", None if kind else f"no heads are shipped for {SERVED_MODEL_NAME}",
+            only_task="mixed")
+    for task in TUNED_TASKS:
         missing = (None if task in tree_sets else f"no tree set named {task!r} (trees/{task}.json)") \
             or (None if kind else f"no heads are shipped for {SERVED_MODEL_NAME}")
         add(f"entmtp-{task}", {"method": "entmtp", "tree_set": task},

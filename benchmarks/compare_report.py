@@ -64,7 +64,7 @@ def render_report(doc: dict) -> str:
            f"- date: {doc['date']} (run {doc['run_id']})",
            *runtime_lines(doc["runs"]),
            f"- target model: {SERVED_MODEL_NAME}; tasks: {', '.join(s['tasks'])}; concurrency: "
-           f"{', '.join(map(str, s['concurrency']))}; {s['num_requests']} requests per level of at most "
+           f"{', '.join(map(str, s['concurrency']))}; {s['num_requests']} requests per level (at least as many as in flight) of at most "
            f"{s['max_tokens']} tokens, greedy (temperature 0){', ignore_eos' if s['ignore_eos'] else ''}; "
            f"repeats: {s['repeats']}", ""]
     if doc.get("incomplete"):

@@ -14,9 +14,15 @@ from compare_server import Server, portable, serve_command
 from compare_settings import Settings
 
 
+def prompts_needed(s: Settings) -> int:
+    """Prompts a task loads: ``num_requests``, or the highest concurrency if more (every level runs full once,
+    each request a different prompt)."""
+    return max(s.num_requests, *s.concurrency)
+
+
 def throughput_config(s: Settings, base_url: str, task: str, warmup: int) -> tp.Config:
     argv = ["--base-url", base_url, "--model", SERVED_MODEL_NAME, "--dataset", task,
-            "--num-prompts", str(s.num_requests), "--num-requests", str(s.num_requests),
+            "--num-prompts", str(prompts_needed(s)), "--num-requests", str(s.num_requests), "--fill-levels",
             "--concurrency", ",".join(map(str, s.concurrency)), "--max-tokens", str(s.max_tokens),
             "--temperature", "0", "--seed", "0", "--warmup-requests", str(warmup)]
     if s.ignore_eos:
@@ -36,7 +42,7 @@ def run_method(s: Settings, method: Method, model: str, vllm: str, repeat: int, 
         tasks = [t for t in s.tasks if method.only_task in (None, t)]
         for i, task in enumerate(tasks):
             cfg = throughput_config(s, server.base_url, task, warmup=1 if i == 0 else 0)
-            prompts = tp.load_benchmark_prompts(task, s.num_requests)
+            prompts = tp.load_benchmark_prompts(task, prompts_needed(s))
             t0 = time.monotonic()
             result = asyncio.run(tp.run_benchmark(cfg, prompts))
             rec = {"method": method.name, "speculative_config": method.spec, "task": task, "repeat": repeat,

@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Poisson arrivals, requests/s, a sweep such as 0.5,1,2 (inf = all at once)")
     ap.add_argument("--num-requests", type=int, default=None,
                     help="requests per level (default: --num-prompts; prompts are reused in turn)")
+    ap.add_argument("--fill-levels", action="store_true",
+                    help="a concurrency level sends at least as many requests as it keeps in flight, so that "
+                         "every level runs full once (--num-requests 8 --concurrency 1,16: 8 then 16)")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="start no request later than this many seconds into a level (default: no limit)")
     ap.add_argument("--max-tokens", type=int, default=128, help="output tokens per request at most (default 128)")
@@ -178,6 +181,13 @@ class Config:
     result_json: str | None
     progress: bool
     hf_column: str | None = None
+    fill_levels: bool = False
+
+    def requests_at(self, concurrency: int | None, num_prompts: int) -> int:
+        """Requests a level sends: ``num_requests`` (default one per prompt), at least ``concurrency`` with
+        ``fill_levels``."""
+        n = self.num_requests or num_prompts
+        return max(n, concurrency or 0) if self.fill_levels else n
 
     @property
     def levels(self) -> list[dict]:
@@ -219,7 +229,8 @@ def make_config(args: argparse.Namespace) -> Config:
         num_requests=args.num_requests, max_seconds=args.max_seconds, max_tokens=args.max_tokens,
         temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos,
         warmup_requests=args.warmup_requests, request_timeout=args.request_timeout,
-        result_json=args.result_json, progress=not args.no_progress, hf_column=args.hf_column)
+        result_json=args.result_json, progress=not args.no_progress, hf_column=args.hf_column,
+        fill_levels=getattr(args, "fill_levels", False))
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -696,7 +707,7 @@ async def run_benchmark(cfg: Config, prompts: list[list[dict]]) -> dict:
             desc = f"concurrency {c}" if rate is None else f"rate {rate:g}/s"
             before = await fetch_metrics(session, cfg.base_url)
             records, duration = await run_level(
-                session, url, payloads, cfg.num_requests or len(prompts), c, rate, cfg.max_seconds,
+                session, url, payloads, cfg.requests_at(c, len(prompts)), c, rate, cfg.max_seconds,
                 cfg.seed if cfg.seed is not None else 0, cfg.progress, desc)
             after = await fetch_metrics(session, cfg.base_url)
             result = {"concurrency": c, "request_rate": rate if rate is None or math.isfinite(rate) else "inf"}

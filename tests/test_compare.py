@@ -52,8 +52,12 @@ def checkout(tmp_path, monkeypatch):
 
 def test_method_table_with_everything_shipped(checkout, tmp_path):
     available, skipped = checkout(heads=("medusa", "hydra"), tree_sets=("humaneval", "gsm8k", "default"))
-    assert list(available) == ["plain", "plain-float32", "plain-bfloat16", "ngram", "vllm-medusa", "medusa-tree", "hydra-tree", "entmtp",
-                               "entmtp-heads", "entmtp-humaneval", "entmtp-gsm8k"]
+    assert list(available) == ["plain", "plain-float32", "plain-bfloat16", "ngram", "vllm-medusa", "medusa-tree",
+                               "hydra-tree", "entmtp", "entmtp-heads", *(f"static-{t}" for t in cm.STATIC_TREES),
+                               "entmtp-humaneval", "entmtp-gsm8k"]
+    assert available["static-b0n2"].spec == {"method": "entmtp", "policy": "static", "tree_set": "default",
+                                             "tree_id": "b0n2"}
+    assert available["static-b0n2"].only_task == "mixed"
     assert available["entmtp-heads"].spec == {"method": "entmtp", "draft_sources": "heads"}
     assert set(skipped) == {"entmtp-sharegpt", "entmtp-creative"}
     assert "trees/sharegpt.json" in skipped["entmtp-sharegpt"]
@@ -78,7 +82,7 @@ def test_method_table_medusa_only(checkout):
     assert "hydra-tree" not in available
     assert skipped["hydra-tree"] == "no Hydra heads are shipped for SmolLM2-135M-Instruct"
     assert "medusa" in available["entmtp"].note
-    assert set(skipped) == {"hydra-tree", *(f"entmtp-{t}" for t in cm.TASKS)}
+    assert set(skipped) == {"hydra-tree", *(f"entmtp-{t}" for t in cm.TUNED_TASKS)}
 
 
 def test_method_table_without_heads(checkout):
@@ -130,7 +134,8 @@ def test_quick_defaults_and_overrides(checkout):
         ["plain", "entmtp"], ["humaneval"], 2, 32)
     s = settings(table, ["--serve-args", "--dtype float32"])
     assert [m.name for m in s.methods] == ["plain", "plain-bfloat16", "ngram", "vllm-medusa", "medusa-tree",
-                                           "entmtp", "entmtp-heads"]  # plain in the other dtype, once
+                                           "entmtp", "entmtp-heads", *(f"static-{t}" for t in cm.STATIC_TREES)]
+    # plain in the other dtype, once; the static trees on the mixed task only
     assert "same as plain" in s.skipped["plain-float32"]
     s = settings(table, [])
     assert (s.tasks, s.concurrency, s.repeats, s.port) == (list(cm.TASKS), [1, 4, 16], 1, 8123)
@@ -334,7 +339,7 @@ def target_runs(entmtp_c1: dict, entmtp_c16: float, mem: dict):
     """One repeat over the four tasks: plain 10 tok/s (c1) and 40 (c16); ngram 12.5, vllm-medusa 14, hydra-tree
     16 (c1); entmtp as given; peak memory per method (MiB) as given."""
     runs = []
-    for task in cm.TASKS:
+    for task in cm.TUNED_TASKS:
         for name, c1, c16 in (("plain", 10.0, 40.0), ("ngram", 12.5, 40.0), ("vllm-medusa", 14.0, 40.0),
                               ("hydra-tree", 16.0, 40.0), ("entmtp", entmtp_c1[task], entmtp_c16)):
             r = run(name, task, 0, [level(1, c1, drafts=None), level(16, c16, drafts=None)])
@@ -348,7 +353,7 @@ def test_targets_read_against_a_run():
     doc = hand_doc(target_runs(fast, 40.0, {"plain": 1000.0, "entmtp": 1100.0}))
     doc["aggregate"] = agg.aggregate(doc["runs"])
     got = {g["target"]: g for g in agg.targets(doc)}
-    assert [got[f"entmtp / plain-best, {t}, concurrency 1"]["met"] for t in cm.TASKS] == [True, True, True, False]
+    assert [got[f"entmtp / plain-best, {t}, concurrency 1"]["met"] for t in cm.TUNED_TASKS] == [True, True, True, False]
     assert got["entmtp / plain-best, creative, concurrency 1"]["measured"] == "1.20x"
     ngram = got["entmtp / ngram, best task, concurrency 1"]
     assert ngram["met"] and ngram["measured"].startswith("1.68x (humaneval); ")  # 21 / 12.5
@@ -387,6 +392,25 @@ def test_targets_read_against_a_run():
     md = rep.render_report(doc)
     assert "| entmtp / plain-best, humaneval, concurrency 1 | >= 1.60x | 2.10x | yes |" in md
     assert "| entmtp / hydra-tree, mean of the four tasks, concurrency 1 | >= 1.15x | - | - |" in md
+
+
+def test_per_request_schedule_against_static_trees():
+    """The per-request schedule must beat the best static tree on the mixed task by 5 %, at each concurrency > 1."""
+    runs = [run("entmtp", "mixed", 0, [level(1, 30.0, drafts=None), level(4, 63.0, drafts=None),
+                                       level(16, 100.0, drafts=None)]),
+            run("entmtp-heads", "mixed", 0, [level(4, 50.0, drafts=None)]),
+            run("static-b0n1", "mixed", 0, [level(1, 40.0, drafts=None), level(4, 60.0, drafts=None),
+                                            level(16, 99.0, drafts=None)]),
+            run("static-b0n2", "mixed", 0, [level(4, 55.0, drafts=None), level(16, 90.0, drafts=None)])]
+    doc = hand_doc(runs)
+    doc["aggregate"] = agg.aggregate(doc["runs"])
+    got = {g["target"]: g for g in agg.targets(doc)}
+    c4 = got["entmtp / the best static tree, mixed, concurrency 4"]
+    assert c4["met"] is True and c4["measured"] == "1.05x (static-b0n1); static-b0n1 1.05x, static-b0n2 1.15x"
+    c16 = got["entmtp / the best static tree, mixed, concurrency 16"]
+    assert c16["met"] is False and c16["measured"].startswith("1.01x (static-b0n1)")
+    assert "entmtp / the best static tree, mixed, concurrency 1" not in got  # one request: no batch to mix
+    assert got["entmtp-heads / the best static tree, mixed, concurrency 4"]["met"] is False  # 50 / 60
 
 
 def test_peak_rss_of_processes():
@@ -452,7 +476,7 @@ def test_results_name_no_machine_paths(tmp_path, monkeypatch):
 def test_headline_quotes_the_results():
     fast = {"humaneval": 21.0, "gsm8k": 20.0, "sharegpt": 15.0, "creative": 14.0}
     doc = hand_doc(target_runs(fast, 40.0, {"plain": 1000.0, "entmtp": 1100.0}))
-    doc["settings"]["tasks"], doc["settings"]["concurrency"] = list(cm.TASKS), [1, 16]
+    doc["settings"]["tasks"], doc["settings"]["concurrency"] = list(cm.TUNED_TASKS), [1, 16]
     doc["aggregate"] = agg.aggregate(doc["runs"])
     doc["targets"] = agg.targets(doc)
     md = rep.render_headline(doc)

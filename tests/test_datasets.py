@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from vllm_entmtp.datasets import (GSM8K_EVAL_ROWS, PROMPT_SETS, Prompt, PromptFileError, load_prompts,
+from vllm_entmtp.datasets import (GSM8K_EVAL_ROWS, MIXED_SETS, PROMPT_SETS, Prompt, PromptFileError, load_prompts,
                                   read_jsonl_prompts, sharegpt_split, training_conversations)
 
 
@@ -19,7 +19,7 @@ def test_fields_non_empty_and_unique(name):
     prompts = load_prompts(name)
     assert prompts and all(isinstance(p, Prompt) for p in prompts)
     for p in prompts:
-        assert p.dataset == name and p.id
+        assert (p.dataset in MIXED_SETS if name == "mixed" else p.dataset == name) and p.id
         assert len(p.messages) == 1 and p.messages[0]["role"] == "user"
         assert p.messages[0]["content"].strip()
     assert len({p.id for p in prompts}) == len(prompts)
@@ -102,3 +102,12 @@ def test_jsonl_prompt_file(tmp_path):
     with pytest.raises(PromptFileError, match="cannot read") as e:
         read_jsonl_prompts(tmp_path / "absent.jsonl")
     assert e.value.line is None
+
+
+def test_mixed_takes_the_four_sets_in_turn():
+    mixed = load_prompts("mixed", limit=9)
+    assert [p.dataset for p in mixed] == [*MIXED_SETS, *MIXED_SETS, "humaneval"]
+    assert [p.id for p in mixed[:4]] == [load_prompts(n, limit=1)[0].id for n in MIXED_SETS]
+    assert mixed[4].id == load_prompts("humaneval", limit=2)[1].id
+    with pytest.raises(ValueError, match="eval only"):
+        load_prompts("mixed", split="train")

@@ -357,6 +357,22 @@ def test_end_to_end_concurrency_sweep(server, tmp_path, capsys):
     assert "conc 1" in stdout and "conc 3" in stdout and "2.50" in stdout
 
 
+def test_fill_levels_sends_a_full_batch_at_every_level(server, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(6)))
+    out = tmp_path / "result.json"
+    assert tp.main(["--base-url", server.url, "--dataset", str(prompts), "--concurrency", "1,5", "--num-requests",
+                    "2", "--fill-levels", "--max-tokens", "4", "--warmup-requests", "0", "--result-json", str(out),
+                    "--no-progress"]) == 0
+    levels = json.loads(out.read_text())["levels"]
+    assert [lv["completed"] for lv in levels] == [2, 5]  # 2 at one in flight, 5 (not 2) at five in flight
+    assert len(server.bodies) == 7
+    cfg = tp.make_config(tp.build_parser().parse_args(["--num-requests", "3", "--fill-levels"]))
+    assert (cfg.requests_at(1, 10), cfg.requests_at(16, 10), cfg.requests_at(None, 10)) == (3, 16, 3)
+    cfg = tp.make_config(tp.build_parser().parse_args(["--num-requests", "3"]))
+    assert cfg.requests_at(16, 10) == 3
+
+
 def test_end_to_end_completions_at_a_request_rate(server, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "raw text"}\n')

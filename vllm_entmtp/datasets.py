@@ -36,6 +36,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.util
+import itertools
 import json
 import re
 import sysconfig
@@ -44,9 +45,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-PROMPT_SETS = ("humaneval", "gsm8k", "sharegpt", "mtbench", "creative")
+PROMPT_SETS = ("humaneval", "gsm8k", "sharegpt", "mtbench", "creative", "mixed")
+MIXED_SETS = ("humaneval", "gsm8k", "sharegpt", "creative")
+"""``mixed``: their eval prompts taken in turn (code, math, chat, fiction, code, ...): one batch of every kind."""
 SPLITS = ("eval", "train")
-EVAL_ONLY = frozenset({"humaneval", "mtbench", "creative"})
+EVAL_ONLY = frozenset({"humaneval", "mtbench", "creative", "mixed"})
 GSM8K_EVAL_ROWS = 300  # gsm8k: rows [0, 300) are eval, the rest train
 SHAREGPT_EVAL_PERCENT = 10  # sharegpt: sha256(group id) % 100 < 10 is eval
 CREATIVE_MIN_ASCII = 0.95
@@ -216,11 +219,19 @@ def load_prompts(name: str, limit: int | None = None, split: str = "eval",
         prompts = _sharegpt(split)
     elif name == "mtbench":
         prompts = _mtbench()
+    elif name == "mixed":  # each prompt keeps its own set's name in .dataset
+        return _mixed(limit, max_chars)
     else:
         prompts = _creative()
     if max_chars is not None:
         prompts = [p for p in prompts if len(p.messages[-1]["content"]) < max_chars]
     return prompts if limit is None else prompts[:limit]
+
+
+def _mixed(limit: int | None, max_chars: int | None) -> list[Prompt]:
+    sets = [load_prompts(n, max_chars=max_chars) for n in MIXED_SETS]
+    out = [p for group in itertools.zip_longest(*sets) for p in group if p is not None]
+    return out if limit is None else out[:limit]
 
 
 # ------------------------------------------------------------------------------------------ prompt files

@@ -108,3 +108,33 @@ def test_a_lookup_draft_not_drafted_is_scored_against_what_the_target_emitted():
     lk.remember("t", [4], num_tokens=3)
     lk.free_missing({"r"})
     assert lk.tracked_ids() == {"r"}
+
+
+# ------------------------------------------------------------------------------------------ calibration
+def test_lookup_statistics_score_every_position_against_the_continuation():
+    from vllm_entmtp.calibrate.lookup import lookup_statistics
+
+    # prompt "1 2 3 4 5 6", continuation "1 2 3 4 9": at t=2 the last tokens "1 2" match the prompt, the
+    # draft "3 4 5 6" meets "3 4 9": 2 accepted, then a rejection; at t=3 ("1 2 3" -> "4 5 6 1") 1 accepted, a
+    # rejection; at t=4 ("1 2 3 4" -> "5 6 1 2") none accepted, a rejection; at t=0 and 1 no suffix of 2-4
+    # tokens occurred before
+    st = lookup_statistics([([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9])], 2, 4, 4)
+    assert (st["positions"], st["drafts"], st["accepted_tokens"], st["rejections"]) == (5, 3, 3, 3)
+    assert st["drafted_tokens"] == 12 and st["coverage"] == 0.6 and st["mean_accepted"] == 1.0
+    assert st["acceptance_probability"] == 0.5 and st["prior"] == 0.5
+    # a draft that runs past the continuation's end is cut there: no rejection seen
+    st = lookup_statistics([([7, 8, 9, 7, 8, 9], [7, 8])], 2, 4, 4)
+    assert st["drafts"] >= 1 and st["rejections"] == 0 and st["acceptance_probability"] == 1.0
+    assert st["prior"] == 0.98  # clipped into (0, 1)
+    st = lookup_statistics([([1, 2], [3, 4, 5])], 2, 4, 4)
+    assert st["drafts"] == 0 and st["prior"] is None and st["mean_accepted"] is None
+
+
+def test_calibrated_prior_only_when_the_user_gave_none_and_the_lengths_match():
+    from vllm_entmtp.lookup import calibrated_prior
+
+    cal = {"prompts": "humaneval", "lookup": {"prior": 0.8, "prompt_lookup_min": 2, "prompt_lookup_max": 4}}
+    assert calibrated_prior(0.5, False, cal, 2, 4) == (0.8, "the tree set's calibration on humaneval")
+    assert calibrated_prior(0.3, True, cal, 2, 4) == (0.3, "lookup_prior")
+    assert calibrated_prior(0.5, False, cal, 3, 5) == (0.5, "default")  # calibrated for other n-grams
+    assert calibrated_prior(0.5, False, {}, 2, 4) == (0.5, "default")

@@ -74,7 +74,9 @@ class EntMTPConfig(BaseModel):
                     "probabilities, known before the step drafts (EAGLE-2's dynamic-tree signal).")
     acceptance_window: StrictInt = Field(
         default=8, ge=1,
-        description="Window of the per-request EMA of accepted draft tokens per step (bonus excluded).")
+        description="Window (drafting steps) of the per-request EMAs of accepted draft tokens per step (bonus "
+                    "excluded): the tracker's signal, and the load rule's measure of how a request accepts "
+                    "against what the calibration expected.")
     hysteresis: float = Field(
         default=0.05, ge=0.0, allow_inf_nan=False,
         description="A request moves to another tree only when its signal crosses the threshold by more than "
@@ -124,7 +126,8 @@ class EntMTPConfig(BaseModel):
     lookup_prior: float = Field(
         default=0.5, gt=0.0, lt=1.0, allow_inf_nan=False,
         description="A request's probability that a prompt-lookup draft token is accepted, before its own "
-                    "lookup drafts were verified; it then follows the request's record (docs/options.md).")
+                    "lookup drafts were verified; it then follows the request's record (docs/options.md). Not "
+                    "given: the tree set's lookup calibration where it has one for the same n-gram lengths.")
 
     @model_validator(mode="after")
     def _policy_needs_tree_set(self) -> EntMTPConfig:

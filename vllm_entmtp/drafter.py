@@ -27,6 +27,7 @@ import torch
 from vllm.v1.spec_decode.medusa import MedusaProposer
 
 from vllm_entmtp.heads import load_mtp_heads
+from vllm_entmtp.lifetimes import Lifetimes
 from vllm_entmtp.metrics import Publisher
 from vllm_entmtp.proposer import make_drafter
 from vllm_entmtp.request_options import NO_TREE, REQUEST_DRAFT_TOKENS_KEY, REQUEST_TREE_KEY, drafts_nothing
@@ -88,7 +89,6 @@ class EntMTPProposer(MedusaProposer):
 
             self.prefix_cache = PrefixKVCache(heads)
         self.pending: dict[str, Draft] = {}
-        # request -> (tree id, entropy EMA, path confidence) of its last draft
         # request -> (tree id, entropy EMA, path confidence, expected accepted or None) of its last draft
         self._drafted_at: dict[str, tuple[str, float | None, float | None, float | None]] = {}
         self._warned: set[str] = set()
@@ -106,6 +106,13 @@ class EntMTPProposer(MedusaProposer):
         self.scheduler = self.tracker = self.lookup = None
         self.step_costs: StepCosts | None = None  # load_policy "measured"
         self._lookup_drafted: dict[str, int] = {}  # request -> tokens of its last lookup draft
+        self.lifetimes = Lifetimes()  # every holder of per-request state, freed when vLLM drops the request
+        for name, get in (("pending", lambda: self.pending), ("drafted_at", lambda: self._drafted_at),
+                          ("lookup_drafted", lambda: self._lookup_drafted), ("warned", lambda: self._warned),
+                          ("recorder", lambda: self.recorder), ("lookup", lambda: self.lookup),
+                          ("prefix_cache", lambda: self.prefix_cache), ("scheduler", lambda: self.scheduler),
+                          ("tracker", lambda: self.tracker)):
+            self.lifetimes.add(name, get)
         if spec.entmtp.policy != "static":
             from vllm_entmtp.entropy import EntropyTracker
             from vllm_entmtp.scheduler import TreeScheduler, calibration_mismatches
@@ -125,13 +132,17 @@ class EntMTPProposer(MedusaProposer):
             self.scheduler = TreeScheduler.from_config(spec.entmtp, tree_set)
             self.tracker = EntropyTracker.from_config(spec.entmtp)
             if spec.entmtp.draft_sources != "heads":
-                from vllm_entmtp.lookup import PromptLookup
+                from vllm_entmtp.load_rules import calibration_of
+                from vllm_entmtp.lookup import PromptLookup, calibrated_prior
 
                 lo, hi = spec.entmtp_lookup
-                self.lookup = PromptLookup(lo, hi, max_tokens=spec.entmtp.lookup_tokens,
-                                           prior=spec.entmtp.lookup_prior)
-                logger.info("entmtp: draft sources %r: prompt lookup of %d-%d tokens, drafts of up to %d tokens",
-                            spec.entmtp.draft_sources, lo, hi, spec.entmtp.lookup_tokens)
+                prior, source = calibrated_prior(spec.entmtp.lookup_prior,
+                                                 "lookup_prior" in spec.entmtp.model_fields_set,
+                                                 calibration_of(tree_set), lo, hi)
+                self.lookup = PromptLookup(lo, hi, max_tokens=spec.entmtp.lookup_tokens, prior=prior)
+                logger.info("entmtp: draft sources %r: prompt lookup of %d-%d tokens, drafts of up to %d tokens, "
+                            "prior acceptance %.3f (%s)", spec.entmtp.draft_sources, lo, hi,
+                            spec.entmtp.lookup_tokens, prior, source)
             if self.scheduler.measured:
                 self.step_costs = StepCosts()
                 logger.info("entmtp: load: step costs measured on this engine decide the drafts per batch size "
@@ -442,36 +453,15 @@ class EntMTPProposer(MedusaProposer):
         return drafts
 
     def free_missing(self, live_req_ids) -> None:
-        """Drop the state of every request vLLM no longer holds (finished, aborted). Called each step, as a
-        request that finishes last may be announced in a step with nothing to run, which skips the runner."""
-        from vllm_entmtp.entropy import drop_missing
-
-        live = live_req_ids if isinstance(live_req_ids, (set, dict)) else set(live_req_ids)
-        if self.recorder is not None:
-            self.recorder.finish_missing(live)
-        drop_missing(self.pending, live)
-        drop_missing(self._drafted_at, live)
-        drop_missing(self._lookup_drafted, live)
-        if self.lookup is not None:
-            self.lookup.free_missing(live)
-        if self.prefix_cache is not None:
-            self.prefix_cache.free_missing(live)
-        self._warned &= set(live)
-        if self.scheduler is not None:
-            self.scheduler.free_missing(live)
-            self.tracker.free_missing(live)
+        """Drop the state of every request vLLM no longer holds (finished, aborted): :mod:`vllm_entmtp.lifetimes`.
+        Called each step, as a request that finishes last may be announced in a step with nothing to run, which
+        skips the runner."""
+        self.lifetimes.free_missing(live_req_ids)
 
     def held_request_ids(self) -> set[str]:
-        """Requests with any per-request state in the drafter (pending trees, signals, tracker, scheduler,
-        prefix-layer cache); :meth:`free_missing` drops it once vLLM no longer holds the request."""
-        held = set(self.pending) | set(self._drafted_at) | set(self._lookup_drafted) | self._warned
-        if self.lookup is not None:
-            held |= self.lookup.tracked_ids()
-        if self.prefix_cache is not None:
-            held |= self.prefix_cache.tracked_ids()
-        if self.scheduler is not None:
-            held |= self.scheduler.tracked_ids() | self.tracker.tracked_ids()
-        return held
+        """Requests with any per-request state in the drafter; :meth:`free_missing` drops it once vLLM no longer
+        holds the request."""
+        return self.lifetimes.held_ids()
 
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int) -> None:

@@ -28,6 +28,9 @@ from typing import Any
 
 import torch
 
+from vllm_entmtp.config import option_default
+from vllm_entmtp.lifetimes import drop_missing
+
 
 def entropy_nats(logits: torch.Tensor) -> torch.Tensor:
     """Shannon entropy of ``softmax(logits)`` in nats, per row.
@@ -155,7 +158,8 @@ class EntropyTracker:
     (``W = 1``) is its last value.
     """
 
-    def __init__(self, entropy_window: int = 16, acceptance_window: int = 8, confidence_window: int | None = None):
+    def __init__(self, entropy_window: int = option_default("entropy_window"),
+                 acceptance_window: int = option_default("acceptance_window"), confidence_window: int | None = None):
         self.entropy_window = entropy_window
         self.acceptance_window = acceptance_window
         self.confidence_window = entropy_window if confidence_window is None else confidence_window
@@ -272,11 +276,3 @@ def _as_list(x: Any, name: str, n: int) -> list:
         raise ValueError(f"update_batch: {name} has {len(x)} entries for {n} request ids")
     return list(x)
 
-
-def drop_missing(per_request: dict, active_ids: Iterable[str]) -> int:
-    """Delete the keys of ``per_request`` that are not in ``active_ids``; return how many were deleted."""
-    active = active_ids if isinstance(active_ids, (set, frozenset, dict)) else set(active_ids)
-    gone = [r for r in per_request if r not in active]
-    for r in gone:
-        del per_request[r]
-    return len(gone)

@@ -61,8 +61,6 @@ the slope of plain decoding's time per output token over 1, 4 and 16 requests in
 ``benchmarks/results/compare-2026-11-30/`` (HumanEval: 76.0, 94.6 and 155.6 ms; 5.1 ms per request / 76 ms)."""
 DEFAULT_MAX_VERIFY_TOKENS = 32
 """Default cap on the tokens verified per step (draft nodes + one root per request), see :func:`node_budget`."""
-ACCEPTANCE_WINDOW = 8
-"""Window (steps that drafted) of a request's EMAs of accepted and expected accepted draft tokens."""
 ACCEPTANCE_MIN_STEPS = 2
 ACCEPTANCE_RATIO_RANGE = (0.2, 3.0)
 
@@ -93,7 +91,7 @@ def calibration_of(tree_set: TreeSet) -> dict:
 class LoadRules:
     """The load rules as methods of :class:`~vllm_entmtp.scheduler.TreeScheduler` (which sets what they read:
     ``policy``, ``tree_set``, ``ladder``, ``ladder_ids``, ``_nodes``, ``_sign``, ``stats``, ``expected``,
-    ``_acc_obs``, ``load_policy``, ``max_verify_tokens_per_step``, ``decode_row_cost``)."""
+    ``_acc_obs``, ``acceptance_window``, ``load_policy``, ``max_verify_tokens_per_step``, ``decode_row_cost``)."""
 
     def _calibrated_decode_row_cost(self) -> float:
         d = calibration_of(self.tree_set).get("cost", {}).get("decode_row_cost")
@@ -173,7 +171,7 @@ class LoadRules:
 
     def acceptance_ratio(self, req_id: str) -> float:
         """What a request accepted over what the calibration expected of its drafts (EMAs over about
-        :data:`ACCEPTANCE_WINDOW` drafting steps, clipped to :data:`ACCEPTANCE_RATIO_RANGE`); 1 before
+        ``acceptance_window`` drafting steps (the option, as the tracker's), clipped to :data:`ACCEPTANCE_RATIO_RANGE`); 1 before
         :data:`ACCEPTANCE_MIN_STEPS` of its drafts were verified. The measured rule scales the calibration's
         expectations by it: text the heads predict worse than the calibration prompts drafts less."""
         st = self._acc_obs.get(req_id)
@@ -186,7 +184,7 @@ class LoadRules:
         """A verified draft of ``req_id``: ``expected`` accepted draft tokens (:attr:`expected` when it was
         chosen), ``accepted`` of them accepted (bonus excluded)."""
         st = self._acc_obs.setdefault(req_id, [0.0, 0.0, 0])
-        b = 1.0 - 1.0 / ACCEPTANCE_WINDOW
+        b = 1.0 - 1.0 / self.acceptance_window
         st[0] = b * st[0] + (1.0 - b) * float(accepted)
         st[1] = b * st[1] + (1.0 - b) * float(expected)
         st[2] += 1

@@ -22,6 +22,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from vllm_entmtp.lifetimes import drop_missing
+
 #: vLLM ngram's defaults when a user gives neither key are 5/5; entmtp's (a chain after any 2-4 token repeat)
 DEFAULT_LOOKUP_MIN = 2
 DEFAULT_LOOKUP_MAX = 4
@@ -63,6 +65,19 @@ def expected_chain_accepted(p: float, n: int) -> float:
     if p >= 1.0:
         return float(n)
     return p * (1.0 - p ** n) / (1.0 - p)
+
+
+def calibrated_prior(option_prior: float, given: bool, calibration: dict, min_n: int, max_n: int
+                     ) -> tuple[float, str]:
+    """``(prior, where it comes from)``: the ``lookup_prior`` the user gave; else the tree set's ``build-trees``
+    calibration of the lookup (``calibration["lookup"]``, :mod:`vllm_entmtp.calibrate.lookup`) when it matched the
+    same n-gram lengths; else the option's default."""
+    if given:
+        return option_prior, "lookup_prior"
+    cal = calibration.get("lookup") or {}
+    if cal.get("prior") is not None and (cal.get("prompt_lookup_min"), cal.get("prompt_lookup_max")) == (min_n, max_n):
+        return float(cal["prior"]), f"the tree set's calibration on {calibration.get('prompts', 'its prompts')}"
+    return option_prior, "default"
 
 
 class PromptLookup:
@@ -156,9 +171,8 @@ class PromptLookup:
         self.observe(req_id, m + (1 if m < len(emitted) else 0), m)
 
     def free_missing(self, live: set | dict) -> None:
-        for d in (self._record, self._unsent):
-            for r in [r for r in d if r not in live]:
-                del d[r]
+        drop_missing(self._record, live)
+        drop_missing(self._unsent, live)
 
     def tracked_ids(self) -> set[str]:
         return set(self._record) | set(self._unsent)

@@ -22,6 +22,7 @@ import torch
 from vllm_entmtp.fast_linear import FastLinear
 from vllm_entmtp.heads.hydra import HydraHeads
 from vllm_entmtp.heads.medusa import MedusaHeads
+from vllm_entmtp.lifetimes import drop_missing
 from vllm_entmtp.tree_proposal import build_tree_drafts, needed_heads, needed_topk
 from vllm_entmtp.trees import Tree
 
@@ -401,8 +402,6 @@ class PrefixKVCache:
 
     def free_missing(self, live) -> int:
         """Drop the caches of requests not in ``live``; return how many were dropped."""
-        from vllm_entmtp.entropy import drop_missing
-
         return drop_missing(self._kv, live)
 
     def tracked_ids(self) -> set[str]:

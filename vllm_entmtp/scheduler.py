@@ -44,7 +44,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm_entmtp.config import option_default
-from vllm_entmtp.entropy import Signals, drop_missing
+from vllm_entmtp.entropy import Signals
+from vllm_entmtp.lifetimes import drop_missing
 from vllm_entmtp.errors import EntMTPError
 from vllm_entmtp.load_rules import DEFAULT_MAX_VERIFY_TOKENS, LoadRules, calibration_of, node_budget
 from vllm_entmtp.step_costs import StepCosts
@@ -56,6 +57,7 @@ LOAD_POLICIES = ("measured", "cap", "cost")
 DEFAULT_HYSTERESIS = option_default("hysteresis")
 DEFAULT_WARMUP_STEPS = option_default("warmup_steps")
 DEFAULT_LOAD_POLICY = option_default("load_policy")
+DEFAULT_ACCEPTANCE_WINDOW = option_default("acceptance_window")
 DEFAULT_ENTROPY_RANGE = (0.0, 1.2)
 """Entropy range (nats) over which the fallback ladder spaces its thresholds."""
 
@@ -113,13 +115,17 @@ class TreeScheduler(LoadRules):
                  warmup_steps: int = DEFAULT_WARMUP_STEPS, default_tree_id: str | None = None,
                  max_verify_tokens_per_step: int | None = None,
                  entropy_range: tuple[float, float] = DEFAULT_ENTROPY_RANGE,
-                 load_policy: str = DEFAULT_LOAD_POLICY, decode_row_cost: float | None = None):
+                 load_policy: str = DEFAULT_LOAD_POLICY, decode_row_cost: float | None = None,
+                 acceptance_window: int = DEFAULT_ACCEPTANCE_WINDOW):
         if policy not in POLICIES:
             raise SchedulerError(f"unknown policy {policy!r}; allowed: {', '.join(POLICIES)}")
         if load_policy not in LOAD_POLICIES:
             raise SchedulerError(f"unknown load_policy {load_policy!r}; allowed: {', '.join(LOAD_POLICIES)}")
+        if not (isinstance(acceptance_window, int) and acceptance_window >= 1):
+            raise SchedulerError(f"acceptance_window must be an integer >= 1, got {acceptance_window!r}")
         self.tree_set = tree_set
         self.policy = policy
+        self.acceptance_window = acceptance_window
         sched = tree_set.schedule
         if policy == "static":
             sched = None  # one tree for everyone; the size ladder is only for the budget
@@ -215,7 +221,8 @@ class TreeScheduler(LoadRules):
                        hysteresis=options.hysteresis if "hysteresis" in given else None,
                        warmup_steps=options.warmup_steps, default_tree_id=options.tree_id,
                        max_verify_tokens_per_step=options.max_verify_tokens_per_step,
-                       load_policy=options.load_policy, decode_row_cost=options.decode_row_cost)
+                       load_policy=options.load_policy, decode_row_cost=options.decode_row_cost,
+                       acceptance_window=options.acceptance_window)
         except SchedulerError as e:
             raise SchedulerError(f"method 'entmtp' (policy, tree_set, tree_id): {e}") from None
 

@@ -20,6 +20,7 @@ from vllm_entmtp.calibrate.bins import bin_statistics, edge_scores, quantile_edg
 from vllm_entmtp.calibrate.chain_stop import fit_chain_stop_schedule
 from vllm_entmtp.calibrate.costs import (measure_draft_times, measure_verify_times, monotone_times,
                                          read_step_costs, step_cost_of)
+from vllm_entmtp.calibrate.lookup import lookup_statistics
 from vllm_entmtp.calibrate.records import (STATS_VERSION, collect_statistics, dir_fingerprint, display_path,
                                            file_digest, log, render_prompt, stats_cache_path)
 from vllm_entmtp.calibrate.report import plot_frontiers, summary_table
@@ -172,6 +173,7 @@ def _run(args: argparse.Namespace) -> int:
     from vllm_entmtp.config import EntMTPConfig
     from vllm_entmtp.heads import load_mtp_heads
     from vllm_entmtp.heads.hydra import HydraHeads
+    from vllm_entmtp.lookup import DEFAULT_LOOKUP_MAX, DEFAULT_LOOKUP_MIN
     from vllm_entmtp.models import find_registered_heads, prepare_default_model
     from vllm_entmtp.scheduler import TreeScheduler
     from vllm_entmtp.trees import Tree, load_tree_set
@@ -309,6 +311,9 @@ def _run(args: argparse.Namespace) -> int:
     if chain_info is not None:
         calibration["chain_stop"] = chain_info
     calibration["signal_correlations"] = corr = signal_correlations(records, defaults.entropy_window)
+    calibration["lookup"] = lookup = lookup_statistics(
+        [(render_prompt(tokenizer, p["messages"], args.max_prompt_tokens), r["tokens"])
+         for p, r in zip(prompts, records)], DEFAULT_LOOKUP_MIN, DEFAULT_LOOKUP_MAX, defaults.lookup_tokens)
     name = args.name or f"{label}-{kind}"
     times_ms = {"verify": {n: s * 1e3 for n, s in verify_s.items()},
                 "draft": {k: s * 1e3 for k, s in draft_of.items()}}
@@ -344,6 +349,11 @@ def _run(args: argparse.Namespace) -> int:
               + f"; best cut chain: {best['depth']} nodes, chain_stop {best['chain_stop']} x{best['speedup']:.3f}; "
               + (f"scheduled: chain{chain_info['chosen']['depth']} cut at {chain_info['chosen']['chain_stop']}"
                  if chain_info["chosen"] else "not scheduled (the ladder is expected to be faster)"))
+    if lookup["drafts"]:
+        print(f"prompt lookup ({lookup['prompt_lookup_min']}-{lookup['prompt_lookup_max']} tokens, drafts of up to "
+              f"{lookup['max_tokens']}): drafts at {lookup['coverage']:.0%} of positions, "
+              f"{lookup['mean_accepted']:.2f} accepted per draft, acceptance probability {lookup['acceptance_probability']:.3f} (the set's "
+              f"lookup prior: {lookup['prior']})")
     print("signals vs acceptance (Pearson r with head 0's hit / the chain's accepted length; head 0's hit rate "
           "in the top / bottom 30 % of the signal): " + "; ".join(
               f"{n} {v['r_first']:+.2f}/{v['r_chain']:+.2f} ({v['first_hit_top30']:.2f} vs "

@@ -43,7 +43,8 @@ class Recorder:
             hs.append(h[i])
             ts.append(int(toks[0]))
 
-    def finish_missing(self, live) -> None:
+    def free_missing(self, live) -> None:
+        """Requests vLLM no longer holds are finished: their steps go to the next shard."""
         for rid in [r for r in self.buf if r not in live]:
             hs, ts = self.buf.pop(rid)
             if len(ts) > 8:
@@ -51,6 +52,9 @@ class Recorder:
                 self.done_tokens += len(ts)
         if self.done_tokens >= self.shard_tokens:
             self.flush()
+
+    def tracked_ids(self) -> set[str]:
+        return set(self.buf)
 
     def flush(self) -> None:
         if not self.done:
@@ -107,7 +111,7 @@ def main(argv=None) -> int:
 def _flush(worker) -> None:
     rec = getattr(worker.model_runner.drafter, "recorder", None)
     if rec is not None:
-        rec.finish_missing(set())
+        rec.free_missing(set())
         rec.flush()
 
 

@@ -430,6 +430,9 @@ def test_build_trees_end_to_end(tiny_model, tmp_path, capsys):
     cal = ts.metadata[ts.ids[0]]["calibration"]
     assert cal["num_prompts"] == 3 and cal["positions"] > 0 and len(cal["bins"][0]["P"]) == 3
     assert set(cal["cost"]["verify_ms"]) >= {"0", "1"}
+    lookup = cal["lookup"]  # the prompt lookup scored at every generated position of the same prompts
+    assert lookup["positions"] == cal["positions"] and 0 <= lookup["drafts"] <= lookup["positions"]
+    assert (lookup["prompt_lookup_min"], lookup["prompt_lookup_max"], lookup["max_tokens"]) == (2, 4, 4)
     assert out.with_suffix(".png").stat().st_size > 0
     caches = list(out.parent.glob("set.stats-*.pt"))
     assert len(caches) == 1

@@ -1,7 +1,7 @@
 """Per-request lifetimes: every piece of per-request state the plugin keeps lives until vLLM no longer holds the
 request (finished, aborted, preempted and dropped), and is dropped in one place.
 
-The drafter (:class:`~vllm_entmtp.drafter.Drafter`) registers each holder of per-request state once (its
+The drafter (:class:`~vllm_entmtp.drafter.EntMTPProposer`) registers each holder of per-request state once (its
 pending trees, the tracker, the scheduler, the prompt lookup, the prefix-layer cache, the training recorder);
 every step, :meth:`Lifetimes.free_missing` hands each holder the ids vLLM still holds. A holder is a ``dict`` or
 ``set`` keyed by request id, or an object with ``free_missing(live)`` and ``tracked_ids()``.

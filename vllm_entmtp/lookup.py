@@ -80,6 +80,16 @@ def calibrated_prior(option_prior: float, given: bool, calibration: dict, min_n:
     return option_prior, "default"
 
 
+def score_draft(draft: Sequence[int], emitted: Sequence[int]) -> tuple[int, bool]:
+    """``(accepted, rejected)`` of a draft scored against the tokens the target emitted from its position on: its
+    tokens count as accepted while they equal the emitted ones; a mismatch is a rejection; a draft longer than
+    what was emitted is cut there (no rejection seen)."""
+    m = 0
+    while m < len(emitted) and int(emitted[m]) == draft[m]:
+        m += 1
+    return m, m < len(emitted)
+
+
 class PromptLookup:
     """N-gram prompt lookup over each request's tokens, with a per-request acceptance record.
 
@@ -163,12 +173,10 @@ class PromptLookup:
             return
         draft, start = unsent
         emitted = tokens[start:start + len(draft)]
-        m = 0
-        while m < len(emitted) and int(emitted[m]) == draft[m]:
-            m += 1
         if len(emitted) == 0:
             return
-        self.observe(req_id, m + (1 if m < len(emitted) else 0), m)
+        m, rejected = score_draft(draft, emitted)
+        self.observe(req_id, m + (1 if rejected else 0), m)
 
     def free_missing(self, live: set | dict) -> None:
         drop_missing(self._record, live)

@@ -5,7 +5,8 @@ the calibration prompts, position by position, and the per-token acceptance prob
 At every generated position ``t`` of a prompt's greedy continuation, the lookup runs over the prompt and the
 tokens before ``t`` (what the request holds there) and its draft is scored against the tokens the target then
 emitted: drafted tokens count as accepted up to the first that differs (a rejection); a draft that runs past the
-continuation's end is cut there, with no rejection seen. The acceptance probability is the estimator the
+continuation's end is cut there, with no rejection seen (:func:`~vllm_entmtp.lookup.score_draft`, as the
+runtime scores the lookup drafts it did not send). The acceptance probability is the estimator the
 runtime's per-request record uses (:meth:`~vllm_entmtp.lookup.PromptLookup.acceptance_probability`): accepted
 tokens over accepted tokens plus rejections, the maximum-likelihood ``p`` of chains accepted token by token with
 probability ``p`` until the first rejection.
@@ -29,7 +30,7 @@ def lookup_statistics(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], 
         draft, bonus excluded; None without drafts), "acceptance_probability" (None without drafts), "prior"
         (the acceptance probability clipped to :data:`PRIOR_RANGE`; None without drafts)}``.
     """
-    from vllm_entmtp.lookup import PromptLookup
+    from vllm_entmtp.lookup import PromptLookup, score_draft
 
     lk = PromptLookup(min_n, max_n, max_tokens=max_tokens)
     positions = drafts = drafted = accepted = rejections = 0
@@ -41,14 +42,11 @@ def lookup_statistics(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], 
             draft = lk.propose(ctx[:p + t])
             if not draft:
                 continue
-            emitted = gen[t:t + len(draft)]
-            m = 0
-            while m < len(emitted) and emitted[m] == draft[m]:
-                m += 1
+            m, rejected = score_draft(draft, gen[t:t + len(draft)])
             drafts += 1
             drafted += len(draft)
             accepted += m
-            rejections += 1 if m < len(emitted) else 0
+            rejections += 1 if rejected else 0
     prob = accepted / (accepted + rejections) if accepted + rejections else None
     lo, hi = PRIOR_RANGE
     return {"prompt_lookup_min": min_n, "prompt_lookup_max": max_n, "max_tokens": max_tokens,

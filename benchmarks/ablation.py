@@ -26,7 +26,7 @@ excluded), pooled over the phases.
 Step cost per tree size and kind (``step_cost_by_nodes`` in the result, keys ``"N"`` for chains and ``"Nt"`` for
 trees that need the tree-attention fix; ``vllm-entmtp build-trees --step-costs`` reads it): the median time of a
 one-request decode step that verifies N draft nodes, over the median of one that verifies none (``step_ms``: the
-engine times its steps, ``vllm_entmtp.stats.StepTimer``). Medians of hundreds of steps shrug off the load spikes
+engine times its steps, ``benchmarks/step_timer.py``). Medians of hundreds of steps shrug off the load spikes
 that move a tokens/s ratio by 5-10 % on a shared machine. (The tokens/s estimate, ``MAL x (tokens/s without
 drafting) / (tokens/s with the tree)``, is ``step_cost_by_nodes_from_rates``.) "No drafting" here still runs the
 speculative pipeline with empty drafts; plain decoding without it is ``benchmarks/compare.py``'s baseline.
@@ -374,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm_entmtp.harness import run_job
     from vllm_entmtp.models import prepare_default_model
-    from vllm_entmtp.stats import STEP_TIMES_ENV, step_costs_from_times
+    from step_timer import step_costs_from_times
+    from vllm_entmtp.config import option_default
+    from vllm_entmtp.stats import STEP_HOOK_ENV
     from vllm_entmtp.trees import NO_DRAFT_ID, load_tree_set
 
     ts = load_tree_set(args.tree_set)
@@ -394,10 +396,15 @@ def main(argv: list[str] | None = None) -> int:
              if interleave == "prompt" else [(r, None, n) for r, n in phase_order(list(vs), args.repeats)])
     convs = [p.messages for p in prompts]
     policy = args.policy or (ts.schedule.signal if ts.schedule is not None else "entropy")
-    spec = {"method": "entmtp", "tree_set": str(ts.source), "policy": policy,
-            # room for every tree measured (the default is the largest tree of the schedule)
-            "num_speculative_tokens": max(ts.get(t).num_nodes for t in tree_ids)}
-    os.environ[STEP_TIMES_ENV] = "1"  # the engine times its steps by draft nodes (StepTimer)
+    spec = {"method": "entmtp", "tree_set": str(ts.source), "policy": policy}
+    need = max(ts.get(t).num_nodes for t in tree_ids)
+    if ts.schedule is None or need > max(ts.get(t).num_nodes for t in ts.schedule.tree_ids if t != NO_DRAFT_ID):
+        # room for every tree measured (the default: the schedule's largest tree, or a lookup chain if longer)
+        spec["num_speculative_tokens"] = max(need, option_default("lookup_tokens"))
+    # the engine times its steps by draft nodes (benchmarks/step_timer.py, imported by the engine's workers)
+    os.environ[STEP_HOOK_ENV] = "step_timer"
+    here = str(Path(__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     if args.heads:
         spec["model"] = args.heads
     if args.max_verify_tokens_per_step is not None:

@@ -174,8 +174,10 @@ def test_step_cost_by_nodes():
 
 
 def test_step_timer_medians_and_costs():
-    from vllm_entmtp.stats import StepTimer, parse_step_key, step_costs_from_times, step_key
+    from vllm_entmtp.stats import parse_step_key, step_key
 
+    st = load_benchmark("step_timer")
+    StepTimer, step_costs_from_times = st.StepTimer, st.step_costs_from_times
     t = StepTimer(cap=4)
     for x in (0.10, 0.11, 0.50, 0.09):  # one spike: the median ignores it
         t.record("0", x)
@@ -255,3 +257,44 @@ def test_extra_static_trees_are_the_sets_best_outside_its_schedule(tmp_path):
     assert ab.best_unscheduled(ts, 1) == ["c4"]
     assert ab.best_unscheduled(ts, 5) == ["c4", "c3", "b2"]
     assert ab.best_unscheduled(ts, 0) == []
+
+
+def test_step_hook_loads_from_the_environment_and_times_one_request_decode_steps(monkeypatch, tmp_path):
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import vllm_entmtp.step as step
+    from vllm_entmtp.stats import STEP_HOOK_ENV, load_step_hook
+    from vllm_entmtp.trees import Tree
+
+    monkeypatch.delenv(STEP_HOOK_ENV, raising=False)
+    assert load_step_hook() is None  # unset: no hook
+    monkeypatch.setenv(STEP_HOOK_ENV, "no_such_module_here")
+    with pytest.raises(RuntimeError, match=STEP_HOOK_ENV):
+        load_step_hook()
+    (tmp_path / "hookless.py").write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(STEP_HOOK_ENV, "hookless")
+    with pytest.raises(RuntimeError, match="make_hook"):
+        load_step_hook()
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.setenv(STEP_HOOK_ENV, "step_timer")
+    hook = load_step_hook()
+    assert hook.stats() == {"step_ms": {}}
+
+    def out(tokens, drafts):  # a scheduler output: request -> scheduled tokens, request -> draft tokens
+        return SimpleNamespace(num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
+                               scheduled_spec_decode_tokens=drafts)
+
+    monkeypatch.setattr(step.STEP, "rows", {})
+    hook(None, out({"a": 1}, {}), 10.0)       # a decode step of a, no drafts: timed from here
+    hook(None, out({"a": 3}, {"a": [5, 6]}), 10.5)  # the next step of a: the first took 0.5 s; a 2-chain starts
+    monkeypatch.setattr(step.STEP, "rows", {0: Tree([[0], [1]])})
+    hook(None, out({"a": 3}, {"a": [5, 6]}), 10.8)  # 0.3 s for the chain; this one is a tree that needs the fix
+    hook(None, out({"a": 1, "b": 7}, {}), 11.0)  # two requests (b's prompt): not a one-request step, not timed
+    hook(None, out({"a": 1}, {}), 11.5)  # the tree step was cut by the two-request one: nothing recorded
+    sm = hook.stats()["step_ms"]
+    assert list(sm) == ["0", "2"] and sm["0"]["median_ms"] == pytest.approx(500.0)
+    assert sm["2"]["median_ms"] == pytest.approx(300.0)
+    del sys.modules["step_timer"]

@@ -31,7 +31,7 @@ from vllm_entmtp.lifetimes import Lifetimes
 from vllm_entmtp.metrics import Publisher
 from vllm_entmtp.proposer import make_drafter
 from vllm_entmtp.request_options import NO_TREE, REQUEST_DRAFT_TOKENS_KEY, REQUEST_TREE_KEY, drafts_nothing
-from vllm_entmtp.stats import STEP_TIMES_ENV, StepTimer, TreeStats
+from vllm_entmtp.stats import TreeStats, load_step_hook
 from vllm_entmtp.step_costs import StepCosts
 from vllm_entmtp.step import STEP, Draft, fault, is_greedy, last_accepted_rows, prefix_layer_hidden
 from vllm_entmtp.trees import Tree
@@ -89,15 +89,16 @@ class EntMTPProposer(MedusaProposer):
 
             self.prefix_cache = PrefixKVCache(heads)
         self.pending: dict[str, Draft] = {}
-        # request -> (tree id, entropy EMA, path confidence, expected accepted or None) of its last draft
-        self._drafted_at: dict[str, tuple[str, float | None, float | None, float | None]] = {}
+        # request -> (tree id or LOOKUP_ID, entropy EMA, path confidence, expected accepted or None, draft tokens)
+        # of its last draft
+        self._drafted_at: dict[str, tuple[str, float | None, float | None, float | None, int]] = {}
         self._warned: set[str] = set()
         self.faults_logged: set[str] = set()  # stages whose first fault was logged (fault())
         self.tree_stats = TreeStats()
         self.publisher = Publisher(
             lambda: self.tree_stats.as_dict() | {"requests_with_state": len(self.held_request_ids())},
             on_error=lambda e: fault(self, "metrics", [], e))
-        self.step_timer = StepTimer() if os.environ.get(STEP_TIMES_ENV) == "1" else None
+        self.step_hook = load_step_hook()  # a benchmark's ($VLLM_ENTMTP_STEP_HOOK); None: nothing per step
         self.static_tree = Tree(spec.entmtp_tree) if spec.entmtp_tree else None
         self.static_tree_id = getattr(spec, "entmtp_tree_id", None) or "tree"
         from vllm_entmtp.training.record import recorder_from_env
@@ -105,10 +106,9 @@ class EntMTPProposer(MedusaProposer):
         self.recorder = recorder_from_env()  # self-distillation data for train-heads (training/record.py)
         self.scheduler = self.tracker = self.lookup = None
         self.step_costs: StepCosts | None = None  # load_policy "measured"
-        self._lookup_drafted: dict[str, int] = {}  # request -> tokens of its last lookup draft
         self.lifetimes = Lifetimes()  # every holder of per-request state, freed when vLLM drops the request
         for name, get in (("pending", lambda: self.pending), ("drafted_at", lambda: self._drafted_at),
-                          ("lookup_drafted", lambda: self._lookup_drafted), ("warned", lambda: self._warned),
+                          ("warned", lambda: self._warned),
                           ("recorder", lambda: self.recorder), ("lookup", lambda: self.lookup),
                           ("prefix_cache", lambda: self.prefix_cache), ("scheduler", lambda: self.scheduler),
                           ("tracker", lambda: self.tracker)):
@@ -309,8 +309,6 @@ class EntMTPProposer(MedusaProposer):
             for req_id, (tree_id, _), toks, (ent, conf) in zip(req_ids, chosen, drafts, self._choice_signals):
                 if toks:
                     self._drafted_at[req_id] = (tree_id, ent, conf, self.scheduler.expected.get(req_id), len(toks))
-                    if tree_id == LOOKUP_ID:
-                        self._lookup_drafted[req_id] = len(toks)
         self.publisher.mark()  # for /metrics, written off the step's path (vllm_entmtp.metrics.Publisher)
         return drafts
 
@@ -381,13 +379,12 @@ class EntMTPProposer(MedusaProposer):
             self.tracker.update(rid, entropy[i] if entropy is not None else float("nan"),
                                 top1[i] if top1 is not None else None, acc)
             prev = self._drafted_at.pop(rid, None)
-            looked = self._lookup_drafted.pop(rid, None)
             if prev is None or acc is None:
                 continue
             self.tree_stats.record_signal(prev[0], prev[1], acc, prev[2])
-            if looked is not None:
-                self.tree_stats.record_source("lookup", looked, acc)
-                self.lookup.observe(rid, looked, acc)
+            if prev[0] == LOOKUP_ID:
+                self.tree_stats.record_source("lookup", prev[4], acc)
+                self.lookup.observe(rid, prev[4], acc)
             else:
                 self.tree_stats.record_source("heads", prev[4], acc)
                 if prev[3] is not None:  # the measured load rule learns how this request's drafts fare

@@ -5,7 +5,6 @@ and the tests do. Acceptance lengths here exclude the bonus token.
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, dataclass, field
 
 
@@ -106,12 +105,34 @@ def pearson(n: float, sx: float, sy: float, sxy: float, sxx: float, syy: float) 
     return out
 
 
-STEP_TIMES_ENV = "VLLM_ENTMTP_STEP_TIMES"
-"""Set to 1 to time single-request decode steps by draft nodes (:class:`StepTimer`; for benchmarks)."""
+STEP_HOOK_ENV = "VLLM_ENTMTP_STEP_HOOK"
+"""A module the engine's workers import for a step hook (benchmarks; ``benchmarks/step_timer.py``): its
+``make_hook()`` returns a callable run at the start of every step as ``hook(runner, scheduler_output, t0)``, whose
+``stats()`` (if any) is merged into :func:`worker_stats`. Unset: no hook, nothing done per step."""
+
+
+def load_step_hook():
+    """The step hook of ``$VLLM_ENTMTP_STEP_HOOK`` (``None`` when unset).
+
+    Raises:
+        RuntimeError: the module does not import or has no ``make_hook``, naming the variable.
+    """
+    import importlib
+    import os
+
+    name = os.environ.get(STEP_HOOK_ENV, "").strip()
+    if not name:
+        return None
+    try:
+        make = importlib.import_module(name).make_hook
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(f"${STEP_HOOK_ENV}={name!r}: no importable module with a make_hook() there ({e}); "
+                           f"put its folder on PYTHONPATH or unset the variable") from e
+    return make()
 
 
 def step_key(nodes: int, tree: bool) -> str:
-    """:class:`StepTimer` key of a step: ``"N"`` for N draft nodes that attend causally (a chain, or nothing), and
+    """Step-cost key of a step (``benchmarks/step_timer.py``, ``build-trees --step-costs``): ``"N"`` for N draft nodes that attend causally (a chain, or nothing), and
     ``"Nt"`` for a tree that needs the tree-attention fix (its rows recomputed with the ancestor mask in every
     layer, ``patches/tree_attention.py``), which costs more than a chain of the same size on a CPU."""
     return f"{nodes}t" if tree else str(nodes)
@@ -138,54 +159,6 @@ def parse_step_key(key: str) -> tuple[int, bool]:
     return nodes, tree
 
 
-class StepTimer:
-    """Wall time of engine steps that decode one request, by the draft nodes verified in the step and whether they
-    form a tree that needs the tree-attention fix (:func:`step_key`).
-
-    The runner times a step from its ``_prepare_inputs`` to the next step's, for steps that decode one request
-    (no prompt tokens) followed by another step of the same request: the whole step period (forward,
-    verification, sampling, drafting, and vLLM's scheduler and output processing between steps). The latest
-    ``cap`` per node count are kept. Medians of these are the in-engine step costs
-    that ``benchmarks/ablation.py`` reports and ``vllm-entmtp build-trees --step-costs`` reads; they are immune
-    to the noise spikes that sink a tokens-per-second ratio on a shared machine.
-    """
-
-    def __init__(self, cap: int = 4096):
-        self.cap = cap
-        self._times: dict[str, list[float]] = {}
-        self._next: dict[str, int] = {}
-        self.started: tuple | None = None  # (request id, key, start) of the step being timed
-
-    def record(self, key: str, seconds: float) -> None:
-        """One step of kind ``key`` (:func:`step_key`) that took ``seconds``."""
-        buf = self._times.setdefault(key, [])
-        if len(buf) < self.cap:
-            buf.append(seconds)
-        else:  # ring: overwrite the oldest
-            i = self._next.get(key, 0)
-            buf[i] = seconds
-            self._next[key] = (i + 1) % self.cap
-
-    def summary(self) -> dict[str, dict]:
-        """``{key: {"n": steps, "median_ms": ms, "p25_ms": ms, "p75_ms": ms}}`` (:func:`step_key`), by nodes."""
-        out = {}
-        for key in sorted(self._times, key=parse_step_key):
-            v = sorted(self._times[key])
-            q = lambda f: 1e3 * v[min(len(v) - 1, int(f * len(v)))]  # noqa: E731
-            out[key] = {"n": len(v), "median_ms": round(1e3 * statistics.median(v), 4),
-                               "p25_ms": round(q(0.25), 4), "p75_ms": round(q(0.75), 4)}
-        return out
-
-
-def step_costs_from_times(step_ms: dict[str, dict]) -> dict[str, float]:
-    """``{key: median step time / median step time with 0 nodes}`` (:func:`step_key`; empty without 0-node
-    steps)."""
-    base = step_ms.get("0", {}).get("median_ms")
-    if not base:
-        return {}
-    return {n: round(v["median_ms"] / base, 4) for n, v in step_ms.items() if n != "0"}
-
-
 def worker_stats(worker) -> dict:
     """For ``LLM.collective_rpc``: the entmtp drafter's :class:`TreeStats` of this worker, as a dict. Publishes
     them for ``/metrics`` too (:class:`~vllm_entmtp.metrics.Publisher`), so that metrics read after this call
@@ -198,9 +171,9 @@ def worker_stats(worker) -> dict:
                 break
     stats = getattr(drafter, "tree_stats", None)
     out = stats.as_dict() if stats is not None else {}
-    timer = getattr(drafter, "step_timer", None)
-    if timer is not None:
-        out["step_ms"] = timer.summary()
+    hook_stats = getattr(getattr(drafter, "step_hook", None), "stats", None)
+    if hook_stats is not None:  # a benchmark's step hook ($VLLM_ENTMTP_STEP_HOOK)
+        out |= hook_stats()
     scheduler = getattr(drafter, "scheduler", None)
     if scheduler is not None:
         out["scheduler"] = scheduler.stats.as_dict()

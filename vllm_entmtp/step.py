@@ -374,21 +374,3 @@ def prefix_layer_hidden(runner, hidden_states: torch.Tensor, sampled_token_ids, 
         positions.append(runner.positions[idx.to(runner.positions.device)].to(torch.long).cpu())
     return runner.drafter.prefix_cache.advance(list(runner.input_batch.req_ids[:n]), blocks, positions)
 
-
-def time_step(runner, scheduler_output, t0: float) -> None:
-    """:class:`~vllm_entmtp.stats.StepTimer` (``$VLLM_ENTMTP_STEP_TIMES=1``, read by ``benchmarks/``): a step
-    that decodes one request (no prompt tokens) is timed from its start to the start of the next step of the same
-    request, i.e. the whole engine step period (forward, verification, sampling, drafting, vLLM's scheduler and
-    output processing), by its draft nodes and whether they need the tree-attention fix
-    (:func:`~vllm_entmtp.stats.step_key`). Called after :func:`begin_step`."""
-    from vllm_entmtp.stats import step_key
-
-    ids = list(scheduler_output.num_scheduled_tokens)
-    nodes = sum(len(v) for v in scheduler_output.scheduled_spec_decode_tokens.values())
-    key = step_key(nodes, any(tr.fix_rows for tr in STEP.rows.values()))
-    decoding = len(ids) == 1 and scheduler_output.total_num_scheduled_tokens == nodes + 1
-    timer = runner.drafter.step_timer
-    prev = timer.started
-    if prev is not None and decoding and prev[0] == ids[0]:
-        timer.record(prev[1], t0 - prev[2])
-    timer.started = (ids[0], key, t0) if decoding else None

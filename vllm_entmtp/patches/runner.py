@@ -48,8 +48,8 @@ def apply() -> None:
         drafter = entmtp(self)
         if drafter is not None:
             step.begin_step(self, scheduler_output)
-            if drafter.step_timer is not None:
-                step.time_step(self, scheduler_output, t0)
+            if drafter.step_hook is not None:
+                drafter.step_hook(self, scheduler_output, t0)
         return out
 
     def _sample(self, logits, spec_decode_metadata):

@@ -132,9 +132,10 @@ def load_step_hook():
 
 
 def step_key(nodes: int, tree: bool) -> str:
-    """Step-cost key of a step (``benchmarks/step_timer.py``, ``build-trees --step-costs``): ``"N"`` for N draft nodes that attend causally (a chain, or nothing), and
-    ``"Nt"`` for a tree that needs the tree-attention fix (its rows recomputed with the ancestor mask in every
-    layer, ``patches/tree_attention.py``), which costs more than a chain of the same size on a CPU."""
+    """Step-cost key of a step (``benchmarks/step_timer.py``, ``build-trees --step-costs``): ``"N"`` for N draft
+    nodes that attend causally (a chain, or nothing), and ``"Nt"`` for a tree that needs the tree-attention fix (its
+    rows recomputed with the ancestor mask in every layer, ``patches/tree_attention.py``), which costs more than a
+    chain of the same size on a CPU."""
     return f"{nodes}t" if tree else str(nodes)
 
 

@@ -4,16 +4,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.entmtp-installed
-HOST   ?= 127.0.0.1
-PORT   ?= 8000
-# Extra arguments for `vllm serve`, e.g. make serve SERVE_ARGS="--max-num-seqs 16"
-SERVE_ARGS ?=
-# The target's dtype. On a CPU without AVX-512 BF16, bfloat16 linear layers run row by row (no oneDNN bf16
-# GEMM), so verifying k draft tokens costs ~k decode steps and speculation cannot pay: serve float32 there.
-DTYPE ?= $(shell grep -q avx512_bf16 /proc/cpuinfo 2>/dev/null && echo auto || echo float32)
-# On CPU, vLLM insists at start-up that this share of the NUMA node's memory is free (its default, 0.92, fails
-# on a 2-NUMA-node machine with anything else running); the KV cache size is VLLM_CPU_KVCACHE_SPACE (GiB).
-MEM_UTIL ?= 0.5
+# `make serve` runs tools/serve.sh, which reads HOST, PORT, DTYPE, MEM_UTIL, MODEL, SERVE_ARGS (extra `vllm serve`
+# arguments, e.g. make serve SERVE_ARGS="--max-num-seqs 16") and VLLM_CPU_KVCACHE_SPACE; its header says what each
+# does and its default (the dtype: bfloat16 where the CPU has AVX-512 BF16, float32 elsewhere).
+export HOST PORT DTYPE MEM_UTIL MODEL SERVE_ARGS
 export VLLM_CPU_KVCACHE_SPACE ?= 4
 export HF_HUB_OFFLINE ?= 1
 # Extra arguments for pytest, e.g. make test PYTEST_ARGS="-k tree"
@@ -39,10 +33,7 @@ prepare: setup
 	$(VENV)/bin/vllm-entmtp prepare
 
 serve: prepare
-	MODEL=$$($(VENV)/bin/vllm-entmtp prepare --json | $(PY) -c 'import json,sys; print(json.load(sys.stdin)["model"])') && \
-	exec $(VENV)/bin/vllm serve "$$MODEL" --served-model-name SmolLM2-135M-Instruct \
-	    --host $(HOST) --port $(PORT) --gpu-memory-utilization $(MEM_UTIL) --dtype $(DTYPE) \
-	    --speculative-config '{"method": "entmtp"}' $(SERVE_ARGS)
+	VENV=$(VENV) exec tools/serve.sh
 
 test: setup
 	$(VENV)/bin/vllm-entmtp prepare

@@ -20,14 +20,14 @@ from compare_methods import SERVED_MODEL_NAME, Method
 from throughput import BenchmarkError
 
 HOST = "127.0.0.1"
-MEM_UTIL = "0.5"  # Makefile: vLLM's CPU start-up check of free memory fails at its default 0.92
-SERVER_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}  # as `make serve`
+MEM_UTIL = "0.5"  # tools/serve.sh: vLLM's CPU start-up check of free memory fails at its default 0.92
+SERVER_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}  # as tools/serve.sh
 LOG_TAIL_LINES = 40
 
 
 def default_dtype(cpuinfo: str = "/proc/cpuinfo") -> str:
     """``float32`` on a CPU without AVX-512 BF16 (bfloat16 linear layers run row by row there, so verifying
-    draft tokens gets no batching benefit), else ``auto`` -- what ``make serve`` passes."""
+    draft tokens gets no batching benefit), else ``auto`` -- what ``make serve`` (``tools/serve.sh``) passes."""
     try:
         return "auto" if "avx512_bf16" in Path(cpuinfo).read_text() else "float32"
     except OSError:

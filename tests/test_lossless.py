@@ -197,12 +197,14 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
                                "enable_prefix_caching": False},
                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     # prompt lookup and the heads in one schedule (draft_sources "hybrid", the default), the default tree set;
-    # the cap, so that drafting does not depend on measured costs
+    # the cap, so that drafting does not depend on measured costs. Drafted as where vLLM has no tree attention
+    # (any GPU): the schedule chooses among the set's chains, which the calibrated default set schedules anyway
     hybrid = _run(tmp, "hybrid", default_model, {"method": "entmtp", "load_policy": "cap"},
                   [{"name": "copy", "concurrency": 1, "prompts": COPY_PROMPTS},
                    {"name": "novel", "concurrency": 1, "prompts": NOVEL_PROMPTS},
                    {"name": "c16", "concurrency": 16},
-                   {"name": "sampled", "concurrency": 16, **SAMPLED}], hybrid_convs)
+                   {"name": "sampled", "concurrency": 16, **SAMPLED}], hybrid_convs,
+                  env={"VLLM_ENTMTP_TREE_ATTENTION": "0"})
     return prompts, plain, {"chain": chain, "tree": tree, "prefix": prefix, "hybrid": hybrid}
 
 
@@ -487,3 +489,21 @@ def test_sampled_requests_draft_from_both_sources(runs):
     got = _by_source(phase, runs[2]["hybrid"]["c16"])
     assert all(len(t) > 0 for t in phase["token_ids"])
     assert got.get("lookup", {}).get("accepted", 0) > 0, got
+
+
+def test_without_tree_attention_the_schedule_chooses_chains_per_request(runs):
+    """Where tree attention is missing (forced here: ``VLLM_ENTMTP_TREE_ATTENTION=0``, what any GPU gets), the
+    schedule still chooses per request and step among the set's chains, with its signals and metrics: requests of
+    one batch draft chains of different lengths (and their outputs are exact: the hybrid engine's cases above)."""
+    hybrid = runs[2]["hybrid"]
+    log = hybrid["log"]
+    assert re.search(r"WARNING .*entmtp: no tree attention here .*off by \$VLLM_ENTMTP_TREE_ATTENTION.*the schedule "
+                     r"chooses among the chains of tree set", log), log[-4000:]
+    assert re.search(r"INFO .*entmtp: .*; drafting chains scheduled by policy 'confidence'", log), log[-4000:]
+    stats = hybrid["c16"]["tree_stats"]  # cumulative over copy, novel and c16: greedy, so vLLM verified them all
+    assert stats["tree_steps"] == 0
+    heads_chains = {t.split("@")[0] for t, n in stats["chosen"].items() if n and t not in ("none", "lookup")}
+    assert {"b0n1", "b0n2"} <= heads_chains, stats["chosen"]  # both chains of the default schedule
+    before = hybrid["novel"]["tree_stats"]["mixed_length_steps"]
+    assert stats["mixed_length_steps"] - before > 0, stats  # in the 16-request batches, lengths differ per request
+    assert hybrid["c16"]["entmtp_metrics"]["mixed_length_steps"] == stats["mixed_length_steps"]

@@ -16,6 +16,7 @@ def _stats():
         s.record_choice(tree)
         s.record(tree, nodes, path, ranks)
     s.record_choice(None)
+    s.mixed_length_steps = 3
     return s
 
 
@@ -35,12 +36,14 @@ def test_collector_sums_every_process_file(tmp_path):
     assert total["per_tree"]["mc6"] == {"steps": 4, "nodes": 24, "accepted": 6}
     assert total["chosen"] == {"mc6": 4, "chain2": 2, "none": 2}
     assert total["non_first_branch_paths"] == 2 * 1 and total["kv_slots_moved"] == 2 * 2
+    assert total["mixed_length_steps"] == 2 * 3
 
     registry = CollectorRegistry()
     registry.register(EntMTPCollector(tmp_path, parent_pid=ppid))
     text = generate_latest(registry).decode()
     assert 'vllm:entmtp_tree_tokens_accepted_total{tree="mc6"} 6.0' in text
     assert 'vllm:entmtp_tree_chosen_total{tree="none"} 2.0' in text
+    assert "vllm:entmtp_mixed_length_steps_total 6.0" in text
 
 
 def test_throughput_benchmark_reads_the_choice_shares(tmp_path):

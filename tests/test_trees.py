@@ -346,3 +346,40 @@ def test_build_tree_drafts_checks_heads_and_topk():
         build_tree_drafts(topk, [None, None])
     with pytest.raises(ValueError, match="integer tensor"):
         build_tree_drafts(topk.float(), [None])
+
+
+def test_top1_chain_is_what_a_runner_without_tree_attention_drafts():
+    assert Tree.chain(3).top1_chain() == Tree.chain(3)
+    assert Tree([[1], [1, 0]]).top1_chain() == Tree([[1], [1, 0]])  # a chain of other ranks: causal is right
+    assert Tree([[0], [1], [0, 0], [0, 1], [0, 0, 0]]).top1_chain() == Tree.chain(3)
+    assert Tree([[0], [1], [1, 0]]).top1_chain() == Tree.chain(1)
+    assert Tree([[1], [2]]).top1_chain() is None  # no top-1 path: nothing to draft
+
+
+def test_chains_only_keeps_the_schedule_on_the_sets_chains(tmp_path):
+    from vllm_entmtp.scheduler import TreeScheduler
+    from vllm_entmtp.trees import NO_DRAFT_ID, chains_only
+
+    trees = [_entry("c1", [[0]], calibration={"edges": [0.5]}), _entry("c2", [[0], [0, 0]], note="c2's"),
+             _entry("t3", [[0], [1], [0, 0]]), _entry("t4", [[0], [0, 0], [0, 1], [0, 0, 0]]),
+             _entry("t5", [[0], [1], [2], [1, 0]]), _entry("w", [[1], [2]])]
+    sched = {"signal": "confidence", "thresholds": [0.8, 0.6, 0.4, 0.2], "tree_ids": ["t4", "t3", "c2", "t5", "w"]}
+    ts = load_tree_set(_write(tmp_path, _set(trees, schedule=sched)))
+    ch = chains_only(ts)
+    # t3's top-1 chain is c2 (its metadata goes with it); t4's is a 3-chain the set lacks; w has no top-1 path
+    assert ch.aliases == {"t3": "c2", "t4": "chain3", "t5": "c1", "w": NO_DRAFT_ID}
+    assert ch.ids == ["c1", "c2", "chain3"] and all(t.is_chain for _, t in ch.trees)
+    assert ch.get("t4") == Tree.chain(3) and ch.get("t3") == Tree.chain(2)  # held requests get the chain
+    assert ch.metadata["c2"]["note"] == "c2's" and "chain3" not in ch.metadata
+    assert ch.metadata["c1"]["calibration"] == {"edges": [0.5]}
+    # bins on one chain merge: t3 and c2 are both c2 now, so the 0.6 edge between them goes
+    assert ch.schedule.tree_ids == ("chain3", "c2", "c1", NO_DRAFT_ID)
+    assert ch.schedule.thresholds == (0.8, 0.4, 0.2) and ch.schedule.signal == "confidence"
+    s = TreeScheduler(ch, "confidence", default_tree_id="t3")
+    assert s.default_tree_id == "c2" and [t.num_nodes if t else 0 for t in s.ladder] == [3, 2, 1, 0]
+    only = load_tree_set(_write(tmp_path, _set(trees[:2]), name="chains.json"))
+    assert chains_only(only) is only  # nothing to replace
+    # the first tree carries the set's calibration: it moves to the first chain when that tree branches
+    first = load_tree_set(_write(tmp_path, _set([_entry("t", [[0], [1]], calibration={"edges": [0.1]}),
+                                                 _entry("c", [[0]])]), name="first.json"))
+    assert chains_only(first).metadata["c"]["calibration"] == {"edges": [0.1]}

@@ -36,6 +36,9 @@ from vllm_entmtp.step_costs import StepCosts
 from vllm_entmtp.step import STEP, Draft, fault, is_greedy, last_accepted_rows, prefix_layer_hidden
 from vllm_entmtp.trees import Tree
 
+TREE_ATTENTION_ENV = "VLLM_ENTMTP_TREE_ATTENTION"
+"""Set to 0 to draft as where tree attention is missing (any GPU): the schedule among chains only."""
+
 # a child of vLLM's "vllm" logger: vLLM configures only that logger (vllm/logger.py DEFAULT_LOGGING_CONFIG, or a
 # user's VLLM_LOGGING_CONFIG_PATH), so the plugin's lines reach `vllm serve`'s log with its format and level
 logger = logging.getLogger("vllm.entmtp")
@@ -101,6 +104,16 @@ class EntMTPProposer(MedusaProposer):
         self.step_hook = load_step_hook()  # a benchmark's ($VLLM_ENTMTP_STEP_HOOK); None: nothing per step
         self.static_tree = Tree(spec.entmtp_tree) if spec.entmtp_tree else None
         self.static_tree_id = getattr(spec, "entmtp_tree_id", None) or "tree"
+        # trees that branch need the tree-attention fix (vLLM's CPU attention, 'vec' layout); elsewhere chains only
+        self.tree_attention = self._tree_attention_available()
+        no_trees = ("entmtp: no tree attention here (it needs vLLM's CPU attention with the 'vec' KV layout%s): "
+                    % ("; off by $" + TREE_ATTENTION_ENV if os.environ.get(TREE_ATTENTION_ENV) == "0" else ""))
+        if self.static_tree is not None and not self.tree_attention and not self.static_tree.is_chain:
+            chain = self.static_tree.top1_chain()
+            logger.warning("%sthe static tree %s drafts its top-1 chain (%s)", no_trees, self.static_tree_id,
+                           f"{chain.num_nodes} nodes" if chain else "nothing")
+            self.static_tree = chain
+            self.static_tree_id = f"chain{chain.num_nodes}" if chain else ""
         from vllm_entmtp.training.record import recorder_from_env
 
         self.recorder = recorder_from_env()  # self-distillation data for train-heads (training/record.py)
@@ -116,9 +129,17 @@ class EntMTPProposer(MedusaProposer):
         if spec.entmtp.policy != "static":
             from vllm_entmtp.entropy import EntropyTracker
             from vllm_entmtp.scheduler import TreeScheduler, calibration_mismatches
-            from vllm_entmtp.trees import load_tree_set
+            from vllm_entmtp.trees import chains_only, load_tree_set
 
             tree_set = load_tree_set(spec.entmtp_tree_set_path, num_heads=heads.num_heads)
+            if not self.tree_attention:
+                scheduled = tree_set.schedule.tree_ids if tree_set.schedule is not None else ()
+                tree_set = chains_only(tree_set)
+                if tree_set.aliases:
+                    moved = [f"{a} -> {b}" for a, b in tree_set.aliases.items() if a in scheduled]
+                    logger.warning("%sthe schedule chooses among the chains of tree set %s, whose %d branching "
+                                   "trees draft their top-1 chains%s", no_trees, tree_set.source,
+                                   len(tree_set.aliases), f" (scheduled: {', '.join(moved)})" if moved else "")
             kind = "hydra" if type(heads).__name__ == "HydraHeads" else "medusa"
             if tree_set.heads_kind != kind:
                 logger.warning("entmtp: tree set %s was built for %s heads, these are %s heads: its trees and "
@@ -154,17 +175,17 @@ class EntMTPProposer(MedusaProposer):
             else:
                 logger.info("entmtp: load: max_verify_tokens_per_step only (%s)",
                             self.scheduler.cost_model_missing or "load_policy 'cap'")
-        if (self.static_tree is not None or self.scheduler is not None) \
-                and not self._tree_attention_available():
-            logger.warning("entmtp: tree verification needs vLLM's CPU attention with the 'vec' KV layout; "
-                           "drafting chains instead of the configured trees")
-            self.static_tree = self.scheduler = self.tracker = self.lookup = None
-        drafting = (f"trees scheduled by policy {spec.entmtp.policy!r}" if self.scheduler is not None
+        drafting = (f"{'trees' if self.tree_attention else 'chains'} scheduled by policy {spec.entmtp.policy!r}"
+                    if self.scheduler is not None
                     else f"a {self.static_tree.num_nodes}-node tree" if self.static_tree else "chains")
         logger.info("entmtp: %d %s MTP heads from %s; drafting %s", heads.num_heads, type(heads).__name__,
                     spec.entmtp_heads, drafting)
 
     def _tree_attention_available(self) -> bool:
+        """Whether branching trees can be verified here: vLLM's CPU attention with the layout the tree fix
+        patches (``patches/tree_attention.py``), unless ``$VLLM_ENTMTP_TREE_ATTENTION=0``."""
+        if os.environ.get(TREE_ATTENTION_ENV) == "0":
+            return False
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
@@ -196,7 +217,8 @@ class EntMTPProposer(MedusaProposer):
         tid = extra.get(REQUEST_TREE_KEY)
         if tid is None:
             return None
-        if tid == NO_TREE:
+        tid = self.scheduler.tree_set.aliases.get(tid, tid)  # a branching tree where only chains are verified
+        if tid == NO_TREE:  # NO_DRAFT_ID too
             return (None, None)
         try:
             return (tid, self.scheduler.tree_set.get(tid))
@@ -302,6 +324,8 @@ class EntMTPProposer(MedusaProposer):
                 self.pending[req_id] = draft
             else:
                 self.pending.pop(req_id, None)
+        if len({len(d) for d, live in zip(drafts, active or [True] * n) if d and live}) > 1:
+            self.tree_stats.mixed_length_steps += 1
         if self.lookup is not None:
             self.tree_stats.record_step_sources({"lookup" if t == LOOKUP_ID else "heads"
                                                  for (t, _), d in zip(chosen, drafts) if d})

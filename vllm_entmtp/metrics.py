@@ -24,6 +24,8 @@ Families (counters; Prometheus appends ``_total``), label ``tree`` = tree id (a 
 ``vllm:entmtp_source_accepted_tokens``    their accepted draft tokens (bonus token excluded)
 ``vllm:entmtp_non_first_branch_paths``    accepted paths that left the top-1 chain
 ``vllm:entmtp_kv_slots_moved``            accepted nodes whose K/V was moved to consecutive cache slots
+``vllm:entmtp_mixed_length_steps``        drafting steps whose requests' drafts were not all of one length: the
+                                          per-request choice at work inside one batch
 ``vllm:entmtp_fallbacks``                 label ``stage``: request-steps that went on without speculation after
                                           a fault in the plugin's own work at that stage (drafting, tree
                                           bookkeeping, verification, KV compaction, signals, metrics); the
@@ -160,7 +162,7 @@ def read_all(directory: str | Path, parent_pid: int | None = None) -> dict:
     """Sum of the counter files in ``directory`` written by descendants of process ``parent_pid`` (None: all
     files); unreadable files are skipped."""
     total = {"chosen": {}, "per_tree": {}, "by_source": {}, "non_first_branch_paths": 0, "kv_slots_moved": 0,
-             "fallbacks": {}, "requests_with_state": 0}
+             "mixed_length_steps": 0, "fallbacks": {}, "requests_with_state": 0}
     for f in Path(directory).glob("*.json"):
         try:
             d = json.loads(f.read_text())
@@ -176,7 +178,7 @@ def read_all(directory: str | Path, parent_pid: int | None = None) -> dict:
                 acc = total[key].setdefault(label, dict.fromkeys(zero, 0))
                 for k in acc:
                     acc[k] += v.get(k, 0)
-        for k in ("non_first_branch_paths", "kv_slots_moved", "requests_with_state"):
+        for k in ("non_first_branch_paths", "kv_slots_moved", "mixed_length_steps", "requests_with_state"):
             total[k] += d.get(k, 0)
     return total
 
@@ -221,6 +223,8 @@ class EntMTPCollector:
                                   "chain.", value=t["non_first_branch_paths"])
         yield CounterMetricFamily("vllm:entmtp_kv_slots_moved", "Accepted nodes whose K/V entmtp moved to "
                                   "consecutive cache slots.", value=t["kv_slots_moved"])
+        yield CounterMetricFamily("vllm:entmtp_mixed_length_steps", "Drafting steps whose requests' drafts were "
+                                  "not all of one length.", value=t["mixed_length_steps"])
         fallbacks = CounterMetricFamily("vllm:entmtp_fallbacks", "Request-steps that went on without speculation "
                                         "after a fault in entmtp's own work at this stage.", labels=["stage"])
         for stage, n in sorted(t["fallbacks"].items()):

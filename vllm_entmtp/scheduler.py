@@ -166,6 +166,7 @@ class TreeScheduler(LoadRules):
             node_budget(0, max_verify_tokens_per_step)  # validates
         self.max_verify_tokens_per_step = max_verify_tokens_per_step
 
+        default_tree_id = tree_set.aliases.get(default_tree_id, default_tree_id)  # a tree given way to a chain
         if default_tree_id is None:
             default_tree_id = ids[0]  # static: the largest tree, as resolve_static_tree picks it
         if default_tree_id not in ids:

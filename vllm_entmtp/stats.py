@@ -29,6 +29,8 @@ class TreeStats:
     by_source: dict = field(default_factory=dict)
     # the sources that drafted in one step ("heads", "heads+lookup", "lookup") -> steps
     step_sources: dict = field(default_factory=dict)
+    # drafting steps in which the requests' drafts were not all of one length (per-request choice in one batch)
+    mixed_length_steps: int = 0
 
     def record_fallback(self, stage: str, requests: int = 1) -> None:
         """A contained fault of the plugin's work in ``stage``, touching ``requests`` requests of a step."""

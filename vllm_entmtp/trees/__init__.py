@@ -8,8 +8,8 @@ works; patch a function where it is defined (e.g. ``vllm_entmtp.trees.tree_sets.
 """
 from vllm_entmtp.trees.tree import Tree, children_lists, fix_rows_for, parse_inline_tree
 from vllm_entmtp.trees.tree_sets import (NO_DRAFT_ID, SCHEMA_VERSION, TREES_ENV, Schedule, TreeSet, TreeSetFile,
-                                         available_tree_sets, load_tree_set, shipped_trees_dir, tree_search_dirs)
+                                         available_tree_sets, chains_only, load_tree_set, shipped_trees_dir, tree_search_dirs)
 
 __all__ = ["NO_DRAFT_ID", "SCHEMA_VERSION", "TREES_ENV", "Schedule", "Tree", "TreeSet", "TreeSetFile",
-           "available_tree_sets", "children_lists", "fix_rows_for", "load_tree_set", "parse_inline_tree",
+           "available_tree_sets", "chains_only", "children_lists", "fix_rows_for", "load_tree_set", "parse_inline_tree",
            "shipped_trees_dir", "tree_search_dirs"]

@@ -103,6 +103,15 @@ class Tree:
         """Each node is the only child of the one before (``num_nodes == depth``): causal attention verifies it."""
         return self.num_nodes == self.depth
 
+    def top1_chain(self) -> Tree | None:
+        """What a runner without tree attention drafts in this tree's place: the tree itself if it is a chain, else
+        its top-1 path (``[0], [0, 0], ...`` as deep as the tree holds it) as a chain; None for a branching tree
+        without node ``[0]``."""
+        if self.is_chain:
+            return self
+        n = sum(1 for p in self.paths if not any(p))
+        return Tree.chain(n) if n else None
+
     @cached_property
     def fix_rows(self) -> list[int]:
         """The node rows (1-based) whose causal view is not their ancestors-or-self (:func:`fix_rows_for`); empty

@@ -142,6 +142,7 @@ class TreeSet:
         trees: ``(id, Tree)`` pairs in file order.
         metadata: per tree id, the file's ``metadata`` object (``num_nodes``, ``depth`` and free-form stats).
         schedule: the file's validated ``schedule``, or None when it has none.
+        aliases: ids that :meth:`get` resolves to another tree of the set (:func:`chains_only`'s replaced trees).
     """
 
     name: str
@@ -152,13 +153,15 @@ class TreeSet:
     trees: list[tuple[str, Tree]]
     metadata: dict[str, dict[str, Any]] = field(default_factory=dict)
     schedule: Schedule | None = None
+    aliases: dict[str, str] = field(default_factory=dict)
 
     @property
     def ids(self) -> list[str]:
         return [i for i, _ in self.trees]
 
     def get(self, tree_id: str) -> Tree:
-        """The tree with this id; ``TreeSetError`` listing the ids when absent."""
+        """The tree with this id (or the one it is an alias of); ``TreeSetError`` listing the ids when absent."""
+        tree_id = self.aliases.get(tree_id, tree_id)
         for i, t in self.trees:
             if i == tree_id:
                 return t
@@ -340,3 +343,50 @@ def load_tree_set(name_or_path: str | os.PathLike[str], num_heads: int | None = 
     schedule = _check_schedule(f, spec.schedule, [i for i, _ in trees]) if spec.schedule is not None else None
     return TreeSet(name=spec.name, source=f, heads_kind=spec.heads.kind, num_heads=spec.heads.num_heads,
                    description=spec.description, trees=trees, metadata=metadata, schedule=schedule)
+
+
+def chains_only(tree_set: TreeSet) -> TreeSet:
+    """The set as a runner without tree attention drafts it, where causal attention verifies chains only.
+
+    Every tree that branches gives way to its top-1 chain (:meth:`Tree.top1_chain`), under the id of the set's own
+    chain of that shape when it has one (whose metadata, such as build-trees' expectations, then applies), else
+    ``chain<n>`` (no metadata); a branching tree without a top-1 path drafts nothing (``none``). The replaced ids
+    stay valid through :attr:`TreeSet.aliases` (a request holding itself to a tree gets its chain). The schedule
+    follows: each bin drafts its tree's chain, and neighbouring bins that end on one chain are merged. A set of
+    chains only is returned as it is.
+    """
+    if all(t.is_chain for _, t in tree_set.trees):
+        return tree_set
+    trees = [(i, t) for i, t in tree_set.trees if t.is_chain]
+    aliases: dict[str, str] = {}
+    for i, t in tree_set.trees:
+        if t.is_chain:
+            continue
+        chain = t.top1_chain()
+        if chain is None:
+            aliases[i] = NO_DRAFT_ID
+            continue
+        same = next((j for j, c in trees if c == chain), None)
+        if same is None:
+            same = f"chain{chain.num_nodes}"
+            while any(j == same for j, _ in trees) or same in aliases:
+                same += "'"
+            trees.append((same, chain))
+        aliases[i] = same
+    schedule = tree_set.schedule
+    if schedule is not None:
+        ids, thresholds = [], []
+        for k, i in enumerate(schedule.tree_ids):
+            i = aliases.get(i, i)
+            if ids and ids[-1] == i:
+                continue  # the same chain as the bin before: one bin
+            if ids:
+                thresholds.append(schedule.thresholds[k - 1])
+            ids.append(i)
+        schedule = Schedule(schedule.signal, tuple(thresholds), tuple(ids), schedule.hysteresis, schedule.chain_stop)
+    metadata = {i: tree_set.metadata[i] for i, _ in trees if i in tree_set.metadata}
+    first = tree_set.metadata.get(tree_set.ids[0], {})
+    if "calibration" in first and trees[0][0] != tree_set.ids[0]:  # the set's calibration rides on its first tree
+        metadata[trees[0][0]] = {**metadata.get(trees[0][0], {}), "calibration": first["calibration"]}
+    return TreeSet(tree_set.name, tree_set.source, tree_set.heads_kind, tree_set.num_heads, tree_set.description,
+                   trees, metadata, schedule, aliases)

@@ -12,7 +12,8 @@ each block as ``[num_kv_heads, 2, block_size * head_size]`` with K transposed (`
 and V plain (``[block_size, head_size]``). Other ISAs pack differently; the runner only drafts trees when every
 layer runs ``vec`` (chains need no mask and work everywhere).
 
-GPU seam: the same per-request ancestor mask is what a GPU path needs, as a per-request ``qq_bias`` in vLLM's
+GPU seam: the same per-request ancestor mask is what a GPU path needs (``vllm_entmtp/tree_mask.py`` builds it for
+a packed batch as an additive bias or a FlexAttention ``mask_mod``), e.g. as a per-request ``qq_bias`` in vLLM's
 Triton unified attention or a FlexAttention ``mask_mod`` (``docs/architecture.md``).
 """
 from __future__ import annotations

@@ -33,6 +33,7 @@ from vllm_entmtp.proposer import make_drafter
 from vllm_entmtp.request_options import NO_TREE, REQUEST_DRAFT_TOKENS_KEY, REQUEST_TREE_KEY, drafts_nothing
 from vllm_entmtp.stats import TreeStats, load_step_hook
 from vllm_entmtp.step_costs import StepCosts
+from vllm_entmtp.tensor_parallel import tp_rank_and_size, whole_vocab_lm_and_embed
 from vllm_entmtp.step import STEP, Draft, fault, is_greedy, last_accepted_rows, prefix_layer_hidden
 from vllm_entmtp.trees import Tree
 
@@ -80,12 +81,18 @@ class EntMTPProposer(MedusaProposer):
         heads = load_mtp_heads(spec.entmtp_heads, hidden_size=text_cfg.hidden_size,
                                vocab_size=text_cfg.vocab_size, dtype=self.dtype, device=self.device)
         self.model = heads
+        embed, lm_weight = target_model.embed_input_ids, getattr(getattr(target_model, "lm_head", None), "weight", None)
+        if self.tp_size > 1 and type(heads).__name__ == "HydraHeads":
+            # the target's embedding and lm_head are split by vocabulary: whole copies, so drafting needs no
+            # collective (tensor_parallel.py)
+            lm_weight, embed = whole_vocab_lm_and_embed(target_model, text_cfg.vocab_size)
         self.drafter = make_drafter(
-            heads, embed=target_model.embed_input_ids, compute_logits=target_model.compute_logits,
-            lm_head_weight=getattr(getattr(target_model, "lm_head", None), "weight", None),
-            confidence_threshold=spec.entmtp.draft_confidence_threshold)
+            heads, embed=embed, compute_logits=target_model.compute_logits, lm_head_weight=lm_weight,
+            confidence_threshold=spec.entmtp.draft_confidence_threshold,
+            measure_kernels=self.tp_size == 1)  # timed per rank, a choice could differ between ranks
         if hasattr(self.drafter, "describe_kernels"):
-            logger.info("entmtp: heads' kernels (fastest measured here): %s", self.drafter.describe_kernels())
+            logger.info("entmtp: heads' kernels (%s): %s", "fastest measured here" if self.tp_size == 1
+                        else "not measured under tensor parallelism", self.drafter.describe_kernels())
         self.prefix_cache = None
         if getattr(heads, "prefix_embeding_layer", None) is not None:  # Hydra++ prefix-mlp heads
             from vllm_entmtp.proposer import PrefixKVCache
@@ -98,9 +105,11 @@ class EntMTPProposer(MedusaProposer):
         self._warned: set[str] = set()
         self.faults_logged: set[str] = set()  # stages whose first fault was logged (fault())
         self.tree_stats = TreeStats()
+        # under tensor parallelism every rank drafts the same; rank 0 alone publishes (the counters once)
+        self.tp_rank, self.tp_size = tp_rank_and_size()
         self.publisher = Publisher(
             lambda: self.tree_stats.as_dict() | {"requests_with_state": len(self.held_request_ids())},
-            on_error=lambda e: fault(self, "metrics", [], e))
+            on_error=lambda e: fault(self, "metrics", [], e)) if self.tp_rank == 0 else None
         self.step_hook = load_step_hook()  # a benchmark's ($VLLM_ENTMTP_STEP_HOOK); None: nothing per step
         self.static_tree = Tree(spec.entmtp_tree) if spec.entmtp_tree else None
         self.static_tree_id = getattr(spec, "entmtp_tree_id", None) or "tree"
@@ -150,7 +159,14 @@ class EntMTPProposer(MedusaProposer):
                 logger.warning("entmtp: tree set %s: %s; its thresholds are for the calibrated signal "
                                "(rebuild it with vllm-entmtp build-trees for these options)", tree_set.source,
                                "; ".join(off))
-            self.scheduler = TreeScheduler.from_config(spec.entmtp, tree_set)
+            options = spec.entmtp
+            if self.tp_size > 1 and options.load_policy == "measured":
+                # step times differ between ranks, and so would their drafts: a rule on the set's calibration
+                options = options.model_copy(update={"load_policy": "cost"})
+                logger.info("entmtp: tensor parallel size %d: load_policy 'measured' times steps per rank, so the "
+                            "ranks could draft differently; using 'cost' (the tree set's calibrated costs)",
+                            self.tp_size)
+            self.scheduler = TreeScheduler.from_config(options, tree_set)
             self.tracker = EntropyTracker.from_config(spec.entmtp)
             if spec.entmtp.draft_sources != "heads":
                 from vllm_entmtp.load_rules import calibration_of
@@ -333,7 +349,8 @@ class EntMTPProposer(MedusaProposer):
             for req_id, (tree_id, _), toks, (ent, conf) in zip(req_ids, chosen, drafts, self._choice_signals):
                 if toks:
                     self._drafted_at[req_id] = (tree_id, ent, conf, self.scheduler.expected.get(req_id), len(toks))
-        self.publisher.mark()  # for /metrics, written off the step's path (vllm_entmtp.metrics.Publisher)
+        if self.publisher is not None:
+            self.publisher.mark()  # for /metrics, written off the step's path (vllm_entmtp.metrics.Publisher)
         return drafts
 
     def _propose_scheduled(self, hidden, bonus, req_ids, budgets, active):

@@ -439,7 +439,7 @@ def _fast_hydra_layers(heads: HydraHeads, w_draft: torch.Tensor | None
 
 def make_drafter(heads: MedusaHeads | HydraHeads, *, embed: Callable[[torch.Tensor], torch.Tensor],
                  lm_head_weight: torch.Tensor | None, compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                 confidence_threshold: float = 0.0) -> MTPDrafter | HydraDrafter:
+                 confidence_threshold: float = 0.0, measure_kernels: bool = True) -> MTPDrafter | HydraDrafter:
     """The drafter the server runs and ``build-trees`` times: Hydra heads with kernels measured on this machine
     (``measure_kernels``), Medusa heads over the target's ``compute_logits``.
 
@@ -447,8 +447,9 @@ def make_drafter(heads: MedusaHeads | HydraHeads, *, embed: Callable[[torch.Tens
         embed: the target's input embedding (Hydra heads read the path's embeddings).
         lm_head_weight: the target's lm_head weight ``[vocab, hidden]``.
         compute_logits: the target's lm_head as a function (Medusa heads).
+        measure_kernels: pick each layer's kernel by timing it here (else torch's ``F.linear``).
     """
     if isinstance(heads, HydraHeads):
         return HydraDrafter(heads, embed, lm_head_weight, confidence_threshold=confidence_threshold,
-                            measure_kernels=True)
+                            measure_kernels=measure_kernels)
     return MTPDrafter(heads, compute_logits, confidence_threshold=confidence_threshold)

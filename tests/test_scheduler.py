@@ -311,6 +311,21 @@ def test_cost_model_steps_down_the_least_profitable_requests_first():
     assert ids(w.choose(["x"], [conf(0.9, updates=0)])) == ["big"]  # 1.675 tokens in 1.4 steps
 
 
+def test_cost_model_past_a_ladder_without_none_then_the_node_cap():
+    """A schedule without a "none" rung (the shipped sets): the cost model steps requests past its last tree to no
+    drafting, and the node cap then applies to the others (it indexed past the ladder: IndexError, found under
+    tensor parallelism, which runs the cost model)."""
+    ts = _costed_set()
+    ts = TreeSet(name=ts.name, source=ts.source, heads_kind=ts.heads_kind, num_heads=4, description="",
+                 trees=ts.trees, metadata=ts.metadata,
+                 schedule=Schedule(signal="confidence", thresholds=(0.6,), tree_ids=("big", "small")))
+    s = TreeScheduler(ts, "confidence", hysteresis=0.0, warmup_steps=0, load_policy="cost")
+    rids = [f"r{i}" for i in range(16)]
+    assert ids(s.choose(rids, [conf(0.9)] * 16, budget_nodes=4)) == [None] * 16
+    four = ["a", "b", "c", "d"]  # small pays for all four (test above); a cap of 2 nodes leaves two drafting
+    assert ids(s.choose(four, [conf(0.9)] * 4, budget_nodes=2)) == ["small", "small", None, None]
+
+
 def test_cost_model_options_and_when_it_does_not_apply():
     assert _cost_sched(set_d=0.2).decode_row_cost == 0.2  # the calibration's value
     assert _cost_sched(set_d=0.2, decode_row_cost=0.0).decode_row_cost == 0.0  # the option's

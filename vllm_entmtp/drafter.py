@@ -78,6 +78,7 @@ class EntMTPProposer(MedusaProposer):
     def load_model(self, target_model: torch.nn.Module) -> None:
         spec = self.spec_config
         text_cfg = self.vllm_config.model_config.hf_text_config
+        self.tp_rank, self.tp_size = tp_rank_and_size()
         heads = load_mtp_heads(spec.entmtp_heads, hidden_size=text_cfg.hidden_size,
                                vocab_size=text_cfg.vocab_size, dtype=self.dtype, device=self.device)
         self.model = heads
@@ -106,7 +107,6 @@ class EntMTPProposer(MedusaProposer):
         self.faults_logged: set[str] = set()  # stages whose first fault was logged (fault())
         self.tree_stats = TreeStats()
         # under tensor parallelism every rank drafts the same; rank 0 alone publishes (the counters once)
-        self.tp_rank, self.tp_size = tp_rank_and_size()
         self.publisher = Publisher(
             lambda: self.tree_stats.as_dict() | {"requests_with_state": len(self.held_request_ids())},
             on_error=lambda e: fault(self, "metrics", [], e)) if self.tp_rank == 0 else None

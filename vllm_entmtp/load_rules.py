@@ -338,12 +338,13 @@ class LoadRules:
 
     def _fit(self, bins: list[int], budget: int) -> None:
         """Step bins down in place until the nodes fit ``budget`` (bin ``K`` = no drafting, 0 nodes)."""
-        nodes, k = self._nodes, len(self.ladder)
+        k = len(self.ladder)
+        nodes = self._nodes + [0]  # bin k (past the ladder, where the cost model may have put a request): none
         total = sum(nodes[b] for b in bins)
         if total <= budget:
             return
-        # max-heap on (nodes, index): the largest tree first, the later request on a tie
-        heap = [(-nodes[b], -i) for i, b in enumerate(bins)]
+        # max-heap on (nodes, index): the largest tree first, the later request on a tie; no-draft bins stay
+        heap = [(-nodes[b], -i) for i, b in enumerate(bins) if b < k]
         heapq.heapify(heap)
         while total > budget and heap:
             neg_n, neg_i = heapq.heappop(heap)

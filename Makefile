@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.entmtp-installed
 # `make serve` runs tools/serve.sh, which reads HOST, PORT, DTYPE, MEM_UTIL, MODEL, SERVE_ARGS (extra `vllm serve`
 # arguments, e.g. make serve SERVE_ARGS="--max-num-seqs 16") and VLLM_CPU_KVCACHE_SPACE; its header says what each
-# does and its default (the dtype: bfloat16 where the CPU has AVX-512 BF16, float32 elsewhere).
+# does and its default (the dtype: auto, i.e. the model's bfloat16, where the CPU has AVX-512 BF16; float32 elsewhere).
 export HOST PORT DTYPE MEM_UTIL MODEL SERVE_ARGS
 export VLLM_CPU_KVCACHE_SPACE ?= 4
 export HF_HUB_OFFLINE ?= 1

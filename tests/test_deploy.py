@@ -13,7 +13,8 @@ VENV = str(Path(sys.executable).parent.parent)
 
 
 def _serve_args(**env) -> list[str]:
-    base = {k: v for k, v in os.environ.items() if k not in ("MODEL", "HOST", "PORT", "DTYPE", "SERVE_ARGS")}
+    base = {k: v for k, v in os.environ.items() if k not in ("MODEL", "HOST", "PORT", "DTYPE", "SERVE_ARGS",
+                                                             "SERVED_MODEL_NAME", "SPECULATIVE_CONFIG", "MEM_UTIL")}
     p = subprocess.run([str(ROOT / "tools" / "serve.sh")], cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=base | {"VENV": VENV, "ENTMTP_SERVE_DRY_RUN": "1"} | env)
     assert p.returncode == 0, p.stderr

@@ -199,10 +199,13 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     # prompt lookup and the heads in one schedule (draft_sources "hybrid", the default), the default tree set;
     # the cap, so that drafting does not depend on measured costs. Drafted as where vLLM has no tree attention
     # (any GPU): the schedule chooses among the set's chains, which the calibrated default set schedules anyway
+    # in c16 a quarter of the requests hold themselves to the default set's branching tree b2n2 ([[0], [1]]),
+    # which, without tree attention, drafts its top-1 chain: the set's b0n1
+    held = [{REQUEST_TREE_KEY: "b2n2"} if i % 4 == 0 else {} for i in range(len(hybrid_convs))]
     hybrid = _run(tmp, "hybrid", default_model, {"method": "entmtp", "load_policy": "cap"},
                   [{"name": "copy", "concurrency": 1, "prompts": COPY_PROMPTS},
                    {"name": "novel", "concurrency": 1, "prompts": NOVEL_PROMPTS},
-                   {"name": "c16", "concurrency": 16},
+                   {"name": "c16", "concurrency": 16, "extra_args": held},
                    {"name": "sampled", "concurrency": 16, **SAMPLED}], hybrid_convs,
                   env={"VLLM_ENTMTP_TREE_ATTENTION": "0"})
     return prompts, plain, {"chain": chain, "tree": tree, "prefix": prefix, "hybrid": hybrid}
@@ -501,7 +504,8 @@ def test_without_tree_attention_the_schedule_chooses_chains_per_request(runs):
                      r"chooses among the chains of tree set", log), log[-4000:]
     assert re.search(r"INFO .*entmtp: .*; drafting chains scheduled by policy 'confidence'", log), log[-4000:]
     stats = hybrid["c16"]["tree_stats"]  # cumulative over copy, novel and c16: greedy, so vLLM verified them all
-    assert stats["tree_steps"] == 0
+    assert stats["tree_steps"] == 0  # with tree attention the requests held to b2n2 would walk trees
+    assert not any(t.split("@")[0] == "b2n2" for t in stats["chosen"]), stats["chosen"]  # drafted as b0n1
     heads_chains = {t.split("@")[0] for t, n in stats["chosen"].items() if n and t not in ("none", "lookup")}
     assert {"b0n1", "b0n2"} <= heads_chains, stats["chosen"]  # both chains of the default schedule
     before = hybrid["novel"]["tree_stats"]["mixed_length_steps"]

@@ -383,3 +383,10 @@ def test_chains_only_keeps_the_schedule_on_the_sets_chains(tmp_path):
     first = load_tree_set(_write(tmp_path, _set([_entry("t", [[0], [1]], calibration={"edges": [0.1]}),
                                                  _entry("c", [[0]])]), name="first.json"))
     assert chains_only(first).metadata["c"]["calibration"] == {"edges": [0.1]}
+    # a new chain's id never takes another tree's: "chain2" here is a branching tree of the file
+    clash = chains_only(load_tree_set(_write(tmp_path, _set([_entry("t", [[0], [1], [0, 0]]),
+                                                             _entry("chain2", [[0], [1]])]), name="clash.json")))
+    assert clash.aliases == {"t": "chain2'", "chain2": "chain1"}
+    assert clash.get("t") == Tree.chain(2) and clash.get("chain2") == Tree.chain(1)
+    with pytest.raises(TreeSetError, match="none of its trees has a top-1 path"):
+        chains_only(load_tree_set(_write(tmp_path, _set([_entry("w", [[1], [2]])]), name="w.json")))

@@ -3,8 +3,8 @@
 # `exec vllm serve ...`, so vLLM's server is this process (PID 1 in a container: it gets the stop signal).
 #
 # Environment (all optional):
-#   MODEL                   model folder or hub name (default: the prepared default model, SmolLM2-135M-Instruct,
-#                           which `vllm-entmtp prepare` dequantises once into $VLLM_ENTMTP_CACHE/models/)
+#   MODEL                   model folder, or a hub name with HF_HUB_OFFLINE=0 (default: the prepared default model,
+#                           SmolLM2-135M-Instruct, which `vllm-entmtp prepare` dequantises into $VLLM_ENTMTP_CACHE/models/)
 #   SERVED_MODEL_NAME       the name clients send (default: SmolLM2-135M-Instruct for the default model)
 #   HOST, PORT              where to listen (127.0.0.1, 8000)
 #   DTYPE                   the target's dtype (default: auto on a CPU with AVX-512 BF16, float32 elsewhere:
@@ -40,6 +40,6 @@ cmd=("${BIN}vllm" serve "$MODEL" --host "$HOST" --port "$PORT" --gpu-memory-util
      --dtype "$DTYPE" --speculative-config "$SPECULATIVE_CONFIG")
 if [ -n "${SERVED_MODEL_NAME:-}" ]; then cmd+=(--served-model-name "$SERVED_MODEL_NAME"); fi
 # shellcheck disable=SC2206  # SERVE_ARGS is split on purpose
-if [ -n "${SERVE_ARGS:-}" ]; then cmd+=($SERVE_ARGS); fi
+if [ -n "${SERVE_ARGS:-}" ]; then set -f; cmd+=($SERVE_ARGS); set +f; fi  # split on spaces, no globbing
 if [ "${ENTMTP_SERVE_DRY_RUN:-}" = 1 ]; then printf '%s\n' "${cmd[@]}"; exit 0; fi
 exec "${cmd[@]}"

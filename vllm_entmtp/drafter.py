@@ -113,6 +113,7 @@ class EntMTPProposer(MedusaProposer):
         self.step_hook = load_step_hook()  # a benchmark's ($VLLM_ENTMTP_STEP_HOOK); None: nothing per step
         self.static_tree = Tree(spec.entmtp_tree) if spec.entmtp_tree else None
         self.static_tree_id = getattr(spec, "entmtp_tree_id", None) or "tree"
+        self.static_none = False  # a static tree without a top-1 path, where only chains verify: no drafts
         # trees that branch need the tree-attention fix (vLLM's CPU attention, 'vec' layout); elsewhere chains only
         self.tree_attention = self._tree_attention_available()
         no_trees = ("entmtp: no tree attention here (it needs vLLM's CPU attention with the 'vec' KV layout%s): "
@@ -123,6 +124,7 @@ class EntMTPProposer(MedusaProposer):
                            f"{chain.num_nodes} nodes" if chain else "nothing")
             self.static_tree = chain
             self.static_tree_id = f"chain{chain.num_nodes}" if chain else ""
+            self.static_none = chain is None
         from vllm_entmtp.training.record import recorder_from_env
 
         self.recorder = recorder_from_env()  # self-distillation data for train-heads (training/record.py)
@@ -193,7 +195,8 @@ class EntMTPProposer(MedusaProposer):
                             self.scheduler.cost_model_missing or "load_policy 'cap'")
         drafting = (f"{'trees' if self.tree_attention else 'chains'} scheduled by policy {spec.entmtp.policy!r}"
                     if self.scheduler is not None
-                    else f"a {self.static_tree.num_nodes}-node tree" if self.static_tree else "chains")
+                    else f"a {self.static_tree.num_nodes}-node tree" if self.static_tree
+                    else "nothing" if self.static_none else "chains")
         logger.info("entmtp: %d %s MTP heads from %s; drafting %s", heads.num_heads, type(heads).__name__,
                     spec.entmtp_heads, drafting)
 
@@ -262,6 +265,8 @@ class EntMTPProposer(MedusaProposer):
             return (f"chain{n}", Tree.chain(n)) if is_greedy(sp) else ("", None)
         if choice is not None:
             tree_id, tree = choice
+        elif self.static_none:
+            return "", None
         elif self.static_tree is not None:
             tree_id, tree = self.static_tree_id, self.static_tree
         else:

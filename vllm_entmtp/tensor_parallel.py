@@ -6,7 +6,10 @@ rank (they are small): Hydra heads read rows of the lm_head for their draft voca
 draft path, so each rank gets, once at load, the full rows of both (:func:`full_vocab_weight`: every rank writes
 its range into a zero tensor, one all-reduce sums them). Drafting then runs no collective, so ranks never wait on
 each other mid-step; every rank drafts the same tokens from the same inputs, as long as its choices are
-deterministic (the drafter turns off what is timed per rank: kernel measurement and the measured load rule).
+deterministic (the drafter turns off what is timed per rank: kernel measurement and the measured load rule), and
+the ranks compute the same floats (run them with equal thread counts: a confidence at a threshold could pick
+different trees otherwise). The copy is the embedding's plain rows: a target whose ``embed_input_ids`` scales
+them (not the Llama family) would need that scaling here too.
 Medusa heads keep the target's ``compute_logits``, which all-gathers the logits on every rank in step.
 """
 from __future__ import annotations
@@ -37,6 +40,8 @@ def full_vocab_weight(layer: torch.nn.Module, vocab_size: int) -> torch.Tensor:
     """
     from vllm.distributed import tensor_model_parallel_all_reduce
 
+    if getattr(layer, "tp_size", 1) == 1:  # not split (e.g. built with disable_tp): the rows are all here
+        return layer.weight[:vocab_size]
     idx = layer.shard_indices
     if idx.num_added_elements:
         raise RuntimeError("entmtp under tensor parallelism: the target's vocabulary-parallel layer has added "
@@ -49,9 +54,14 @@ def full_vocab_weight(layer: torch.nn.Module, vocab_size: int) -> torch.Tensor:
 
 
 def input_embedding_layer(target_model: torch.nn.Module) -> torch.nn.Module:
-    """The target's input embedding: its vocabulary-parallel layer that is not the lm_head."""
+    """The target's input embedding: ``get_input_embeddings()`` where the model has it, else its one
+    vocabulary-parallel layer that is not the lm_head."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
+    get = getattr(target_model, "get_input_embeddings", None)
+    layer = get() if callable(get) else None
+    if isinstance(layer, VocabParallelEmbedding):
+        return layer
     found = [m for m in target_model.modules()
              if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
     if len(found) != 1:

@@ -358,6 +358,7 @@ def chains_only(tree_set: TreeSet) -> TreeSet:
     if all(t.is_chain for _, t in tree_set.trees):
         return tree_set
     trees = [(i, t) for i, t in tree_set.trees if t.is_chain]
+    taken = set(tree_set.ids) | {NO_DRAFT_ID}
     aliases: dict[str, str] = {}
     for i, t in tree_set.trees:
         if t.is_chain:
@@ -369,10 +370,14 @@ def chains_only(tree_set: TreeSet) -> TreeSet:
         same = next((j for j, c in trees if c == chain), None)
         if same is None:
             same = f"chain{chain.num_nodes}"
-            while any(j == same for j, _ in trees) or same in aliases:
+            while same in taken:
                 same += "'"
+            taken.add(same)
             trees.append((same, chain))
         aliases[i] = same
+    if not trees:
+        raise TreeSetError(f"tree set {tree_set.source}: none of its trees has a top-1 path (node [0]), so where "
+                           f"only chains are verified (no tree attention) it drafts nothing")
     schedule = tree_set.schedule
     if schedule is not None:
         ids, thresholds = [], []

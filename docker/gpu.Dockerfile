@@ -1,6 +1,6 @@
 # GPU image: the official vLLM 0.32 image plus the entmtp plugin (the plugin refuses any other vLLM version).
 #   docker build -f docker/gpu.Dockerfile -t vllm-entmtp-gpu .
-#   docker run --rm --gpus all -p 8000:8000 -v ~/.cache/huggingface:/root/.cache/huggingface vllm-entmtp-gpu \
+#   docker run --rm --gpus all -p 8000:8000 -v hf-cache:/root/.cache/huggingface vllm-entmtp-gpu \
 #       HuggingFaceTB/SmolLM2-135M-Instruct --speculative-config '{"method": "entmtp"}'
 # The image's entrypoint is `vllm serve` (PID 1); the arguments after the image name are its arguments. Another
 # target model needs MTP heads trained for it, given as "model" in --speculative-config (docs/heads.md).

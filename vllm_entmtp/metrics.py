@@ -156,13 +156,14 @@ class Publisher:
 
 
 SOURCE_KEYS = ("drafts", "drafted", "accepted")
+#: Unlabelled counters (and the one gauge) of a published snapshot, summed over the files.
+SCALAR_KEYS = ("non_first_branch_paths", "kv_slots_moved", "mixed_length_steps", "requests_with_state")
 
 
 def read_all(directory: str | Path, parent_pid: int | None = None) -> dict:
     """Sum of the counter files in ``directory`` written by descendants of process ``parent_pid`` (None: all
     files); unreadable files are skipped."""
-    total = {"chosen": {}, "per_tree": {}, "by_source": {}, "non_first_branch_paths": 0, "kv_slots_moved": 0,
-             "mixed_length_steps": 0, "fallbacks": {}, "requests_with_state": 0}
+    total = {"chosen": {}, "per_tree": {}, "by_source": {}, "fallbacks": {}, **dict.fromkeys(SCALAR_KEYS, 0)}
     for f in Path(directory).glob("*.json"):
         try:
             d = json.loads(f.read_text())
@@ -178,7 +179,7 @@ def read_all(directory: str | Path, parent_pid: int | None = None) -> dict:
                 acc = total[key].setdefault(label, dict.fromkeys(zero, 0))
                 for k in acc:
                     acc[k] += v.get(k, 0)
-        for k in ("non_first_branch_paths", "kv_slots_moved", "mixed_length_steps", "requests_with_state"):
+        for k in SCALAR_KEYS:
             total[k] += d.get(k, 0)
     return total
 

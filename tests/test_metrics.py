@@ -58,3 +58,52 @@ def test_throughput_benchmark_reads_the_choice_shares(tmp_path):
     assert delta["vllm:entmtp_tree_chosen_total"] == {'{tree="chain2"}': 1, '{tree="mc6"}': 2, '{tree="none"}': 1}
     assert delta["vllm:entmtp_tree_tokens_accepted_total"] == {'{tree="chain2"}': 2, '{tree="mc6"}': 3}
     assert tp.tree_choice_shares(delta) == {"chain2": 0.25, "mc6": 0.5, "none": 0.25}
+
+
+_PUBLISH_SNAPSHOTS = """
+import json, sys
+from vllm_entmtp.metrics import publish
+for snapshot in json.loads(sys.argv[1]):
+    publish(snapshot, sys.argv[2])
+"""
+
+
+def _samples(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in text_string_to_metric_families(text)
+            if fam.name.startswith("vllm:entmtp_") for s in fam.samples if not s.name.endswith("_created")}
+
+
+def test_several_api_servers_read_the_counters_as_multiprocess_metrics(tmp_path):
+    """With $PROMETHEUS_MULTIPROC_DIR (vLLM with several API servers, e.g. data parallel) each drafter process
+    also writes its counters as prometheus_client multiprocess metrics; a scrape of that folder (what vLLM then
+    serves) gives the same samples as the single-server collector over the same processes' files: counters
+    summed over the two processes (two data-parallel ranks), each grown by the last of its snapshots."""
+    import subprocess
+    import sys
+
+    from prometheus_client import multiprocess
+
+    mp_dir, json_dir = tmp_path / "prom", tmp_path / "json"
+    mp_dir.mkdir()
+    json_dir.mkdir()
+    s = _stats()
+    s.record_fallback("draft")
+    early = TreeStats()
+    early.record_choice("mc6")
+    runs = [[early.as_dict(), s.as_dict()], [s.as_dict() | {"requests_with_state": 3}]]
+    for snapshots in runs:  # one process per data-parallel rank; the first publishes twice
+        subprocess.run([sys.executable, "-c", _PUBLISH_SNAPSHOTS, json.dumps(snapshots), str(json_dir)], check=True,
+                       env=os.environ | {"PROMETHEUS_MULTIPROC_DIR": str(mp_dir)})
+    assert sorted(p.name.split("_")[0] for p in mp_dir.glob("*.db")) == ["counter", "counter", "gauge", "gauge"]
+
+    served = CollectorRegistry()  # what vLLM serves with several API servers (get_prometheus_registry)
+    multiprocess.MultiProcessCollector(served, path=str(mp_dir))
+    single = CollectorRegistry()
+    single.register(EntMTPCollector(json_dir))
+    got, want = _samples(generate_latest(served).decode()), _samples(generate_latest(single).decode())
+    assert got == want
+    assert got[("vllm:entmtp_tree_chosen_total", (("tree", "mc6"),))] == 4  # 2 + 2, the early snapshot not added
+    assert got[("vllm:entmtp_mixed_length_steps_total", ())] == 6
+    assert got[("vllm:entmtp_requests_with_state", ())] == 3

@@ -35,8 +35,11 @@ Families (counters; Prometheus appends ``_total``), label ``tree`` = tree id (a 
                                           next step; ``benchmarks/soak.py`` checks it after a run)
 ========================================  =========================================================================
 
-Limits: with ``PROMETHEUS_MULTIPROC_DIR`` (several API-server processes) vLLM serves a fresh registry and these
-families are absent; with tensor parallelism every worker publishes the same counts (they would be summed).
+With several API-server processes (``--api-server-count`` > 1, and data parallelism, which starts one per rank)
+vLLM serves ``/metrics`` in Prometheus' multiprocess mode (``$PROMETHEUS_MULTIPROC_DIR``), where this collector
+is not read: there the drafters also write their counters as multiprocess metrics
+(:class:`MultiprocessCounters`), summed over the data-parallel ranks. With tensor parallelism rank 0 alone
+publishes (every rank drafts the same).
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 STATS_DIR_ENV = "VLLM_ENTMTP_STATS_DIR"
 _collector = None
@@ -90,6 +94,8 @@ def publish(stats: dict, directory: str | Path | None = None) -> None:
         os.replace(tmp, directory / f"{os.getpid()}.json")
     except OSError:  # the folder went away (server shutting down): metrics are best effort
         pass
+    if os.environ.get(MULTIPROC_ENV):  # several API servers read multiprocess files only (MultiprocessCounters)
+        _mirror_multiprocess(stats)
 
 
 #: How often, at most, :class:`Publisher` writes the drafter's counters while the engine steps (seconds).
@@ -160,10 +166,29 @@ SOURCE_KEYS = ("drafts", "drafted", "accepted")
 SCALAR_KEYS = ("non_first_branch_paths", "kv_slots_moved", "mixed_length_steps", "requests_with_state")
 
 
+def _zero_totals() -> dict:
+    return {"chosen": {}, "per_tree": {}, "by_source": {}, "fallbacks": {}, **dict.fromkeys(SCALAR_KEYS, 0)}
+
+
+def _add(total: dict, d: dict) -> dict:
+    """Add one published snapshot ``d`` to ``total`` (:func:`_zero_totals`'s shape); returns ``total``."""
+    for key in ("chosen", "fallbacks"):
+        for label, n in d.get(key, {}).items():
+            total[key][label] = total[key].get(label, 0) + n
+    for key, zero in (("per_tree", ("steps", "nodes", "accepted")), ("by_source", SOURCE_KEYS)):
+        for label, v in d.get(key, {}).items():
+            acc = total[key].setdefault(label, dict.fromkeys(zero, 0))
+            for k in acc:
+                acc[k] += v.get(k, 0)
+    for k in SCALAR_KEYS:
+        total[k] += d.get(k, 0)
+    return total
+
+
 def read_all(directory: str | Path, parent_pid: int | None = None) -> dict:
     """Sum of the counter files in ``directory`` written by descendants of process ``parent_pid`` (None: all
     files); unreadable files are skipped."""
-    total = {"chosen": {}, "per_tree": {}, "by_source": {}, "fallbacks": {}, **dict.fromkeys(SCALAR_KEYS, 0)}
+    total = _zero_totals()
     for f in Path(directory).glob("*.json"):
         try:
             d = json.loads(f.read_text())
@@ -171,17 +196,41 @@ def read_all(directory: str | Path, parent_pid: int | None = None) -> dict:
             continue
         if parent_pid is not None and parent_pid not in d.get("ancestor_pids", ()):
             continue
-        for key in ("chosen", "fallbacks"):
-            for label, n in d.get(key, {}).items():
-                total[key][label] = total[key].get(label, 0) + n
-        for key, zero in (("per_tree", ("steps", "nodes", "accepted")), ("by_source", SOURCE_KEYS)):
-            for label, v in d.get(key, {}).items():
-                acc = total[key].setdefault(label, dict.fromkeys(zero, 0))
-                for k in acc:
-                    acc[k] += v.get(k, 0)
-        for k in SCALAR_KEYS:
-            total[k] += d.get(k, 0)
+        _add(total, d)
     return total
+
+
+def families(t: dict) -> list[tuple[str, str, str, str | None, dict]]:
+    """The exported families of totals ``t`` (:func:`read_all`'s shape), as ``(kind, name, help, label name or
+    None, {label value (None when unlabelled): value})``, kind ``"counter"`` or ``"gauge"``; counter names
+    without the ``_total`` that Prometheus appends."""
+    out = [
+        ("counter", "vllm:entmtp_tree_chosen", "Request-steps for which entmtp chose this tree ('none': no draft "
+         "tokens).", "tree", dict(sorted(t["chosen"].items()))),
+    ]
+    for key, name, doc in (
+            ("steps", "vllm:entmtp_tree_verified", "Request-steps verified as this tree by entmtp's tree walk."),
+            ("nodes", "vllm:entmtp_tree_nodes_verified", "Draft nodes verified in this tree."),
+            ("accepted", "vllm:entmtp_tree_tokens_accepted", "Accepted draft tokens in this tree (bonus token "
+             "excluded).")):
+        out.append(("counter", name, doc, "tree", {tree: v[key] for tree, v in sorted(t["per_tree"].items())}))
+    for key, name, doc in (
+            ("drafts", "drafts", "Verified drafts of scheduled requests from this source (heads, lookup)."),
+            ("drafted", "draft_tokens", "Draft tokens of scheduled requests from this source, verified."),
+            ("accepted", "accepted_tokens", "Accepted draft tokens from this source (bonus token excluded).")):
+        out.append(("counter", f"vllm:entmtp_source_{name}", doc, "source",
+                    {source: v[key] for source, v in sorted(t["by_source"].items())}))
+    for key, doc in (
+            ("non_first_branch_paths", "Accepted tree paths that left the top-1 chain."),
+            ("kv_slots_moved", "Accepted nodes whose K/V entmtp moved to consecutive cache slots."),
+            ("mixed_length_steps", "Drafting steps whose requests' drafts were not all of one length.")):
+        out.append(("counter", f"vllm:entmtp_{key}", doc, None, {None: t[key]}))
+    out.append(("counter", "vllm:entmtp_fallbacks", "Request-steps that went on without speculation after a fault "
+                "in entmtp's own work at this stage.", "stage", dict(sorted(t["fallbacks"].items()))))
+    out.append(("gauge", "vllm:entmtp_requests_with_state", "Requests for which the drafter holds state, at its "
+                "last step (it is dropped at the first step after vLLM lets a request go).", None,
+                {None: t["requests_with_state"]}))
+    return out
 
 
 class EntMTPCollector:
@@ -195,45 +244,66 @@ class EntMTPCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        t = read_all(self.directory, self.parent_pid)
-        fams = {
-            "chosen": CounterMetricFamily("vllm:entmtp_tree_chosen", "Request-steps for which entmtp chose this "
-                                          "tree ('none': no draft tokens).", labels=["tree"]),
-            "steps": CounterMetricFamily("vllm:entmtp_tree_verified", "Request-steps verified as this tree by "
-                                         "entmtp's tree walk.", labels=["tree"]),
-            "nodes": CounterMetricFamily("vllm:entmtp_tree_nodes_verified", "Draft nodes verified in this tree.",
-                                         labels=["tree"]),
-            "accepted": CounterMetricFamily("vllm:entmtp_tree_tokens_accepted", "Accepted draft tokens in this "
-                                            "tree (bonus token excluded).", labels=["tree"]),
-        }
-        for tree, n in sorted(t["chosen"].items()):
-            fams["chosen"].add_metric([tree], n)
-        for tree, v in sorted(t["per_tree"].items()):
-            for k in ("steps", "nodes", "accepted"):
-                fams[k].add_metric([tree], v[k])
-        yield from fams.values()
-        src = {k: CounterMetricFamily(f"vllm:entmtp_source_{name}", doc, labels=["source"]) for k, name, doc in (
-            ("drafts", "drafts", "Verified drafts of scheduled requests from this source (heads, lookup)."),
-            ("drafted", "draft_tokens", "Draft tokens of scheduled requests from this source, verified."),
-            ("accepted", "accepted_tokens", "Accepted draft tokens from this source (bonus token excluded)."))}
-        for source, v in sorted(t["by_source"].items()):
-            for k in SOURCE_KEYS:
-                src[k].add_metric([source], v[k])
-        yield from src.values()
-        yield CounterMetricFamily("vllm:entmtp_non_first_branch_paths", "Accepted tree paths that left the top-1 "
-                                  "chain.", value=t["non_first_branch_paths"])
-        yield CounterMetricFamily("vllm:entmtp_kv_slots_moved", "Accepted nodes whose K/V entmtp moved to "
-                                  "consecutive cache slots.", value=t["kv_slots_moved"])
-        yield CounterMetricFamily("vllm:entmtp_mixed_length_steps", "Drafting steps whose requests' drafts were "
-                                  "not all of one length.", value=t["mixed_length_steps"])
-        fallbacks = CounterMetricFamily("vllm:entmtp_fallbacks", "Request-steps that went on without speculation "
-                                        "after a fault in entmtp's own work at this stage.", labels=["stage"])
-        for stage, n in sorted(t["fallbacks"].items()):
-            fallbacks.add_metric([stage], n)
-        yield fallbacks
-        yield GaugeMetricFamily("vllm:entmtp_requests_with_state", "Requests for which the drafter holds state, at "
-                                "its last step (it is dropped at the first step after vLLM lets a request go).",
-                                value=t["requests_with_state"])
+        for kind, name, doc, label, values in families(read_all(self.directory, self.parent_pid)):
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            if label is None:
+                yield cls(name, doc, value=values[None])
+                continue
+            fam = cls(name, doc, labels=[label])
+            for v, n in values.items():
+                fam.add_metric([v], n)
+            yield fam
+
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+class MultiprocessCounters:
+    """One drafter's counters as ``prometheus_client`` multiprocess metrics (files in ``$PROMETHEUS_MULTIPROC_DIR``).
+
+    With several API-server processes (``--api-server-count`` > 1; data parallelism starts one per rank) vLLM
+    serves ``/metrics`` from a registry that holds only what processes wrote to that folder (Prometheus'
+    multiprocess mode), not the collector of :func:`register_collector`. vLLM sets the folder before it starts
+    the engines, so their workers inherit it; there :meth:`update` mirrors each published snapshot into
+    counters of the same families (:func:`families`: same names, help and labels), and a scrape sums them over
+    processes (every data-parallel rank's drafter). Counters grow by the difference to the last snapshot; the gauge
+    is summed over live processes. A family shows up once it has a sample (a labelled family with none, e.g.
+    ``vllm:entmtp_fallbacks`` before any fault, is absent, where the single-server collector lists it empty).
+    """
+
+    def __init__(self):
+        self._metrics: dict[str, Any] = {}
+        self._last: dict[tuple[str, str | None], float] = {}
+
+    def update(self, stats: dict) -> None:
+        from prometheus_client import Counter, Gauge
+
+        for kind, name, doc, label, values in families(_add(_zero_totals(), stats)):
+            metric = self._metrics.get(name)
+            if metric is None:
+                labels = [label] if label else []
+                metric = self._metrics[name] = (
+                    Counter(name, doc, labels, registry=None) if kind == "counter"
+                    else Gauge(name, doc, labels, registry=None, multiprocess_mode="livesum"))
+            for v, n in values.items():
+                child = metric if label is None else metric.labels(v)
+                if kind == "gauge":
+                    child.set(n)
+                    continue
+                delta = n - self._last.get((name, v), 0)
+                if delta > 0:
+                    child.inc(delta)
+                    self._last[(name, v)] = n
+
+
+_multiproc: MultiprocessCounters | None = None
+
+
+def _mirror_multiprocess(stats: dict) -> None:
+    global _multiproc
+    if _multiproc is None:
+        _multiproc = MultiprocessCounters()
+    _multiproc.update(stats)
 
 
 def register_collector() -> None:

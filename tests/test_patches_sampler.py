@@ -60,3 +60,80 @@ def test_a_step_without_draft_tokens_and_top_k_alone_does_not_crash():
     with pytest.raises(RuntimeError, match="numel"):  # vLLM's own function, unpatched
         rs.apply_sampling_constraints.__wrapped__(empty.clone(), cu, meta)
     assert rs.apply_sampling_constraints(empty, cu, meta).shape == (0, 8)
+
+
+def _greedy_batch(num_draft_tokens, vocab=64, seed=0, match=0.6):
+    """vLLM's inputs to ``RejectionSampler.forward`` for an all-greedy batch: logits with a row per draft token
+    and a bonus row per request, draft tokens equal to their row's argmax with probability ``match``."""
+    import numpy as np
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = sum(num_draft_tokens) + len(num_draft_tokens)
+    logits = torch.randn(rows, vocab, generator=gen)
+    draft = []
+    start = 0
+    for n in num_draft_tokens:
+        for j in range(n):
+            best = int(logits[start + j].argmax())
+            draft.append(best if torch.rand(1, generator=gen).item() < match else (best + 1) % vocab)
+        start += n + 1
+    meta = SpecDecodeMetadata.make_dummy([draft[sum(num_draft_tokens[:i]):sum(num_draft_tokens[:i + 1])]
+                                          for i in range(len(num_draft_tokens))], device=torch.device("cpu"))
+    return meta, logits, np
+
+
+def _sampling_metadata(**over):
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    fields = dict(temperature=None, all_greedy=True, all_random=False, top_p=None, top_k=None, generators={},
+                  max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
+                  frequency_penalties=torch.zeros(0), presence_penalties=torch.zeros(0),
+                  repetition_penalties=torch.zeros(0), output_token_ids=[], allowed_token_ids_mask=None,
+                  bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+    return SamplingMetadata(**(fields | over))
+
+
+@pytest.mark.parametrize("num_draft_tokens", [[3, 0, 5, 1], [0, 0], [4], [1] * 16])
+def test_the_greedy_fast_path_returns_vllms_rejection_sampling_output(num_draft_tokens):
+    """For an all-greedy batch that asks for argmaxes only, entmtp's runners skip vLLM's copies of the logits;
+    the accepted tokens, bonus tokens and placeholders are vLLM's, and the logits are left as they were."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_entmtp.patches import apply_all
+    from vllm_entmtp.patches.sampler import GREEDY_FAST_PATH_ATTR, argmax_only
+
+    from vllm.platforms import current_platform
+
+    current_platform.register_triton_kernel_overrides()  # what vLLM's CPU worker does before it samples
+    apply_all()
+    sm = _sampling_metadata()
+    assert argmax_only(sm)
+    vllms = RejectionSampler(Sampler())
+    fast = RejectionSampler(Sampler())
+    setattr(fast, GREEDY_FAST_PATH_ATTR, True)
+    for seed in range(5):
+        meta, logits, _ = _greedy_batch(num_draft_tokens, seed=seed)
+        before = logits.clone()
+        want = vllms(meta, None, logits.clone(), sm).sampled_token_ids
+        got = fast(meta, None, logits, sm)
+        assert got.logprobs_tensors is None and torch.equal(logits, before)
+        assert got.sampled_token_ids.dtype == want.dtype and torch.equal(got.sampled_token_ids, want), (got, want)
+
+
+def test_the_greedy_fast_path_is_left_when_the_batch_asks_for_more_than_argmaxes():
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
+
+    from vllm_entmtp.patches.sampler import argmax_only
+
+    bias = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
+    assert argmax_only(_sampling_metadata(logitsprocs=LogitsProcessors([bias])))  # no request uses it
+    bias.biases = {0: {5: 3.0}}
+    assert not argmax_only(_sampling_metadata(logitsprocs=LogitsProcessors([bias])))
+    for over in ({"all_greedy": False}, {"max_num_logprobs": 0}, {"no_penalties": False},
+                 {"bad_words_token_ids": {0: [[7]]}}, {"allowed_token_ids_mask": torch.zeros(1, 64, dtype=bool)},
+                 {"logprob_token_ids": {0: [3]}}):
+        assert not argmax_only(_sampling_metadata(**over)), over

@@ -5,7 +5,7 @@ drafter is not entmtp's runs vLLM's methods unchanged.
 
 | symbol | change |
 |---|---|
-| ``__init__`` | the ``MedusaProposer`` vLLM built for entmtp's inner method is replaced by :class:`EntMTPProposer`, with a handle on the runner (per-request sampling params); vLLM's own ``medusa`` method keeps its proposer |
+| ``__init__`` | the ``MedusaProposer`` vLLM built for entmtp's inner method is replaced by :class:`EntMTPProposer`, with a handle on the runner (per-request sampling params), and its rejection sampler may take the all-greedy fast path (:mod:`vllm_entmtp.patches.sampler`); vLLM's own ``medusa`` method keeps its proposer and sampler |
 | ``_prepare_inputs`` | :func:`~vllm_entmtp.step.begin_step`: tree rows get positions root + depth and are recorded for the attention override |
 | ``_sample`` | :func:`~vllm_entmtp.step.verify`: after vLLM's chain sampler, tree requests are verified by a tree walk (greedy) or tree rejection sampling, their accepted path's K/V moves to consecutive slots, and the step's signals are taken |
 | ``propose_draft_token_ids`` | :meth:`~vllm_entmtp.drafter.EntMTPProposer.draft_step`: the heads read the last *accepted* node's hidden state |
@@ -23,6 +23,7 @@ def apply() -> None:
 
     from vllm_entmtp import step
     from vllm_entmtp.drafter import EntMTPProposer
+    from vllm_entmtp.patches.sampler import GREEDY_FAST_PATH_ATTR
 
     if getattr(gmr, "_entmtp_patched", False):
         return
@@ -41,6 +42,8 @@ def apply() -> None:
         if isinstance(getattr(self, "drafter", None), gmr.MedusaProposer) and getattr(spec, "entmtp", None):
             self.drafter = EntMTPProposer(vllm_config=self.vllm_config, device=self.device)
             self.drafter.runner = self
+            # all-greedy batches skip vLLM's copies of the logits (patches/sampler.py, greedy_verify)
+            setattr(self.rejection_sampler, GREEDY_FAST_PATH_ATTR, True)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         t0 = time.perf_counter()

@@ -7,7 +7,8 @@ the Medusa heads draft chains (8 concurrent requests), and the default heads (Hy
 chosen per request and step by the confidence scheduler from the `default` tree set's trees (three branching
 trees, and its longest chain cut by a ``chain_stop``; batch sizes 1, 4 and 16). In
 the concurrent phases a third of the requests draft nothing and a third at most 1 token (the per-request cap),
-so requests with different trees and with none share every step. Each engine runs in its own process.
+so requests with different trees and with none share every step. Each engine runs in a process of its own, four of
+them two at a time on cores of their own (:func:`_in_lanes`), then the prefix engine alone.
 
 The tree engine also runs with prefix caching, chunked prefill and a KV cache small enough to force preemption
 (``TREE_ENGINE``), samples (temperature 0.8, top-p, top-k, per-request seeds) twice with the same seeds, and has
@@ -15,6 +16,7 @@ a third of a batch aborted mid-generation. It serves a matrix of sampling option
 beside requests drafting trees and chains (the prefix engine serves it twice, for seeded repeats), and then a batch in which drafting and the tree walk fail for a third
 of the requests each (faults injected in the worker, ``harness.install_faults``).
 """
+import functools
 import itertools
 import json
 import os
@@ -81,14 +83,31 @@ def _prompts():
     return picked
 
 
-def _run(tmp_path, name, model, spec, phases, conversations, engine_args=None, env=None):
+def _in_lanes(lanes: list[list[functools.partial]]) -> list[list[dict]]:
+    """Run each lane's engines (:func:`_run` partials) one after another, the lanes side by side, each lane's
+    engines bound to a core of its own (``_run``'s ``core``). vLLM binds an engine to one core anyway (it keeps
+    the other for the front end), so each engine computes as it would alone, on one thread; where there are fewer
+    cores than lanes, the lanes run one after another, as vLLM binds them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cores = sorted(os.sched_getaffinity(0))  # the cores this process may use
+    if len(cores) < len(lanes):
+        return [[engine() for engine in lane] for lane in lanes]
+    with ThreadPoolExecutor(len(lanes)) as pool:
+        futures = [pool.submit(lambda lane, core: [engine(core=core) for engine in lane], lane, core)
+                   for core, lane in zip(cores, lanes)]
+        return [f.result() for f in futures]
+
+
+def _run(tmp_path, name, model, spec, phases, conversations, engine_args=None, env=None, core=None):
     job = {"model": model, "speculative_config": spec, "dtype": "float32", "max_model_len": 1024,
            "max_num_seqs": 16, "conversations": conversations, "max_tokens": MAX_TOKENS, "phases": phases,
            "engine_args": engine_args}
     job_file, out_file = tmp_path / f"{name}.job.json", tmp_path / f"{name}.out.json"
     job_file.write_text(json.dumps(job))
+    bind = {} if core is None else {"VLLM_CPU_OMP_THREADS_BIND": str(core)}
     p = subprocess.run([sys.executable, "-m", "vllm_entmtp.harness", str(job_file), str(out_file)],
-                       capture_output=True, text=True, timeout=1200, env=os.environ | (env or {}))
+                       capture_output=True, text=True, timeout=1200, env=os.environ | (env or {}) | bind)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(out_file.read_text()) | {"log": p.stdout + p.stderr}  # vLLM logs to stdout by default
 
@@ -159,55 +178,63 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     forced = max((t for t in ts.ids if t not in ts.schedule.tree_ids), key=lambda t: ts.get(t).num_nodes)
     mixed = [[{REQUEST_DRAFT_TOKENS_KEY: 0}, {REQUEST_TREE_KEY: forced}, {}][i % 3] for i in range(len(convs))]
     hybrid_convs = convs + _copy_conversations()
-    plain = _run(tmp, "plain", default_model, None,
-                 [{"name": "bs1", "concurrency": 1},
-                  {"name": "stop", "concurrency": 16, "stop": STOP, "prompts": list(range(NUM_PROMPTS))}, ABORT,
-                  {"name": "matrix", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS}],
-                 hybrid_convs)
-    chain = _run(tmp, "chain", default_model, {"method": "entmtp", "model": shipped_heads["medusa"],
-                                               "num_speculative_tokens": 4},
-                 [{"name": "c8", "concurrency": 8, "extra_args": caps}], convs)
+    plain_phases = [{"name": "bs1", "concurrency": 1},
+                    {"name": "stop", "concurrency": 16, "stop": STOP, "prompts": list(range(NUM_PROMPTS))}, ABORT,
+                    {"name": "matrix", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS}]
+    plain = functools.partial(_run, tmp, "plain", default_model, None, plain_phases, hybrid_convs)
+    chain = functools.partial(_run, tmp, "chain", default_model,
+                              {"method": "entmtp", "model": shipped_heads["medusa"], "num_speculative_tokens": 4},
+                              [{"name": "c8", "concurrency": 8, "extra_args": caps}], convs)
     policy = ts.schedule.signal
     # load_policy "cap" with 64 rows: the measured load rule (the default) and the default cap (32) would step
     # most of these trees down at 16 requests (they do not pay there on this CPU); this engine is here to verify
     # the trees of a batch
-    tree = _run(tmp, "tree", default_model, {"method": "entmtp", "tree_set": tree_set, "policy": policy,
-                                             "load_policy": "cap", "max_verify_tokens_per_step": 64,
-                                             "draft_sources": "heads"},
-                [{"name": "bs1", "concurrency": 1}, {"name": "c4", "concurrency": 4, "extra_args": mixed},
-                 {"name": "c16", "concurrency": 16, "extra_args": caps},
-                 {"name": "stop", "concurrency": 16, "stop": STOP},
-                 {"name": "sampled_a", "concurrency": 16, **SAMPLED}, {"name": "sampled_b", "concurrency": 16, **SAMPLED},
-                 ABORT, {"name": "matrix", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS},
-                 {"name": "faults", "concurrency": 16, "prompts": FAULT_PROMPTS, "faults": ["draft", "verify"]},
-                 {"name": "again_a", "concurrency": 1, "prompts": [0]},
-                 {"name": "again_b", "concurrency": 1, "prompts": [0]}], convs, engine_args=TREE_ENGINE)
-    tree["forced"], tree["chain"] = forced, (cut_chain, ts.get(cut_chain).num_nodes)
-    prefix = _run(tmp, "prefix", default_model,
-                  {"method": "entmtp", "model": _prefix_heads(shipped_heads["hydra"], default_model, tmp / "prefix"),
-                   "tree_set": tree_set, "policy": policy, "load_policy": "cap", "draft_sources": "heads"},
-                  [{"name": "c4", "concurrency": 4, "prompts": PREFIX_PROMPTS},
-                   {"name": "matrix_a", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS},
-                   {"name": "matrix_b", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS}], convs,
-                  # no prefix cache, and the engine in this process (vLLM's in-process client adds every
-                  # request before the first step; a separate engine-core process may start stepping while
-                  # requests still arrive, so batches depended on timing): the matrix's second run gets the
-                  # same batches as its first
-                  engine_args={"enable_chunked_prefill": True, "max_num_batched_tokens": MAX_BATCHED,
-                               "enable_prefix_caching": False},
-                  env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    tree_phases = [{"name": "bs1", "concurrency": 1}, {"name": "c4", "concurrency": 4, "extra_args": mixed},
+                   {"name": "c16", "concurrency": 16, "extra_args": caps},
+                   {"name": "stop", "concurrency": 16, "stop": STOP},
+                   {"name": "sampled_a", "concurrency": 16, **SAMPLED},
+                   {"name": "sampled_b", "concurrency": 16, **SAMPLED},
+                   ABORT, {"name": "matrix", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS},
+                   {"name": "faults", "concurrency": 16, "prompts": FAULT_PROMPTS, "faults": ["draft", "verify"]},
+                   {"name": "again_a", "concurrency": 1, "prompts": [0]},
+                   {"name": "again_b", "concurrency": 1, "prompts": [0]}]
+    tree = functools.partial(_run, tmp, "tree", default_model,
+                             {"method": "entmtp", "tree_set": tree_set, "policy": policy, "load_policy": "cap",
+                              "max_verify_tokens_per_step": 64, "draft_sources": "heads"},
+                             tree_phases, convs, engine_args=TREE_ENGINE)
+    prefix_phases = [{"name": "c4", "concurrency": 4, "prompts": PREFIX_PROMPTS},
+                     {"name": "matrix_a", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS},
+                     {"name": "matrix_b", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS}]
+    # no prefix cache, and the engine in this process (vLLM's in-process client adds every request before the
+    # first step; a separate engine-core process may start stepping while requests still arrive, so batches
+    # depended on timing): the matrix's second run gets the same batches as its first
+    prefix = functools.partial(
+        _run, tmp, "prefix", default_model,
+        {"method": "entmtp", "model": _prefix_heads(shipped_heads["hydra"], default_model, tmp / "prefix"),
+         "tree_set": tree_set, "policy": policy, "load_policy": "cap", "draft_sources": "heads"},
+        prefix_phases, convs,
+        engine_args={"enable_chunked_prefill": True, "max_num_batched_tokens": MAX_BATCHED,
+                     "enable_prefix_caching": False},
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     # prompt lookup and the heads in one schedule (draft_sources "hybrid", the default), the default tree set;
     # the cap, so that drafting does not depend on measured costs. Drafted as where vLLM has no tree attention
     # (any GPU): the schedule chooses among the set's chains, which the calibrated default set schedules anyway
     # in c16 a quarter of the requests hold themselves to the default set's branching tree b2n2 ([[0], [1]]),
     # which, without tree attention, drafts its top-1 chain: the set's b0n1
     held = [{REQUEST_TREE_KEY: "b2n2"} if i % 4 == 0 else {} for i in range(len(hybrid_convs))]
-    hybrid = _run(tmp, "hybrid", default_model, {"method": "entmtp", "load_policy": "cap"},
-                  [{"name": "copy", "concurrency": 1, "prompts": COPY_PROMPTS},
-                   {"name": "novel", "concurrency": 1, "prompts": NOVEL_PROMPTS},
-                   {"name": "c16", "concurrency": 16, "extra_args": held},
-                   {"name": "sampled", "concurrency": 16, **SAMPLED}], hybrid_convs,
-                  env={"VLLM_ENTMTP_TREE_ATTENTION": "0"})
+    hybrid_phases = [{"name": "copy", "concurrency": 1, "prompts": COPY_PROMPTS},
+                     {"name": "novel", "concurrency": 1, "prompts": NOVEL_PROMPTS},
+                     {"name": "c16", "concurrency": 16, "extra_args": held},
+                     {"name": "sampled", "concurrency": 16, **SAMPLED}]
+    hybrid = functools.partial(_run, tmp, "hybrid", default_model, {"method": "entmtp", "load_policy": "cap"},
+                               hybrid_phases, hybrid_convs, env={"VLLM_ENTMTP_TREE_ATTENTION": "0"})
+    # two lanes on this project's 2 cores (engine minutes on a 2-core Xeon, 2026-12-02, side by side: plain 8,
+    # hybrid 4.5; chain 2, tree 14), then the prefix engine alone: it runs inside its front-end process, whose
+    # other threads (structured-output grammars) then have the other core (bound beside the tree engine it took
+    # 3x as long)
+    (plain, hybrid), (chain, tree) = _in_lanes([[plain, hybrid], [chain, tree]])
+    prefix = prefix()
+    tree["forced"], tree["chain"] = forced, (cut_chain, ts.get(cut_chain).num_nodes)
     return prompts, plain, {"chain": chain, "tree": tree, "prefix": prefix, "hybrid": hybrid}
 
 

@@ -8,7 +8,7 @@ chosen per request and step by the confidence scheduler from the `default` tree 
 trees, and its longest chain cut by a ``chain_stop``; batch sizes 1, 4 and 16). In
 the concurrent phases a third of the requests draft nothing and a third at most 1 token (the per-request cap),
 so requests with different trees and with none share every step. Each engine runs in a process of its own, four of
-them two at a time on cores of their own (:func:`_in_lanes`), then the prefix engine alone.
+them two at a time on cores of their own where there are two (:func:`_in_lanes`), then the prefix engine alone.
 
 The tree engine also runs with prefix caching, chunked prefill and a KV cache small enough to force preemption
 (``TREE_ENGINE``), samples (temperature 0.8, top-p, top-k, per-request seeds) twice with the same seeds, and has
@@ -84,18 +84,19 @@ def _prompts():
 
 
 def _in_lanes(lanes: list[list[functools.partial]]) -> list[list[dict]]:
-    """Run each lane's engines (:func:`_run` partials) one after another, the lanes side by side, each lane's
-    engines bound to a core of its own (``_run``'s ``core``). vLLM binds an engine to one core anyway (it keeps
-    the other for the front end), so each engine computes as it would alone, on one thread; where there are fewer
-    cores than lanes, the lanes run one after another, as vLLM binds them."""
+    """Run each lane's engines (:func:`_run` partials) one after another; on 2 cores (this project's machines) the
+    two lanes side by side, each lane's engines bound to a core of its own (``_run``'s ``core``). vLLM binds an
+    engine to one core there anyway (it keeps the other for the front end), so every engine computes on one thread
+    as it would alone. With other core counts the lanes run one after another, bound as vLLM binds them, so that
+    all engines keep one thread count."""
     from concurrent.futures import ThreadPoolExecutor
 
     cores = sorted(os.sched_getaffinity(0))  # the cores this process may use
-    if len(cores) < len(lanes):
+    if len(lanes) != 2 or len(cores) != 2:
         return [[engine() for engine in lane] for lane in lanes]
-    with ThreadPoolExecutor(len(lanes)) as pool:
+    with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(lambda lane, core: [engine(core=core) for engine in lane], lane, core)
-                   for core, lane in zip(cores, lanes)]
+                   for lane, core in zip(lanes, cores)]
         return [f.result() for f in futures]
 
 
@@ -107,7 +108,7 @@ def _run(tmp_path, name, model, spec, phases, conversations, engine_args=None, e
     job_file.write_text(json.dumps(job))
     bind = {} if core is None else {"VLLM_CPU_OMP_THREADS_BIND": str(core)}
     p = subprocess.run([sys.executable, "-m", "vllm_entmtp.harness", str(job_file), str(out_file)],
-                       capture_output=True, text=True, timeout=1200, env=os.environ | (env or {}) | bind)
+                       capture_output=True, text=True, timeout=2400, env=os.environ | (env or {}) | bind)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(out_file.read_text()) | {"log": p.stdout + p.stderr}  # vLLM logs to stdout by default
 

@@ -61,10 +61,16 @@ def test_throughput_benchmark_reads_the_choice_shares(tmp_path):
 
 
 _PUBLISH_SNAPSHOTS = """
-import json, sys
+import json, os, sys
+snapshots, json_dir, mp_dir, late = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "late"
+if late:  # prometheus_client imported before the folder is set: a process forked from vLLM's front end on GPUs
+    import prometheus_client
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = mp_dir
 from vllm_entmtp.metrics import publish
-for snapshot in json.loads(sys.argv[1]):
-    publish(snapshot, sys.argv[2])
+for snapshot in snapshots:
+    publish(snapshot, json_dir)
+print("published", flush=True)
+sys.stdin.readline()  # live until the test has scraped
 """
 
 
@@ -77,9 +83,10 @@ def _samples(text: str) -> dict:
 
 def test_several_api_servers_read_the_counters_as_multiprocess_metrics(tmp_path):
     """With $PROMETHEUS_MULTIPROC_DIR (vLLM with several API servers, e.g. data parallel) each drafter process
-    also writes its counters as prometheus_client multiprocess metrics; a scrape of that folder (what vLLM then
-    serves) gives the same samples as the single-server collector over the same processes' files: counters
-    summed over the two processes (two data-parallel ranks), each grown by the last of its snapshots."""
+    also writes its counters as prometheus_client multiprocess metrics, also where prometheus_client was imported
+    before the folder was set; a scrape of that folder (what vLLM then serves) gives the same samples as the
+    single-server collector over the same processes' files: counters summed over the two processes (two
+    data-parallel ranks), each grown by the last of its snapshots, the gauge summed over live processes."""
     import subprocess
     import sys
 
@@ -92,18 +99,31 @@ def test_several_api_servers_read_the_counters_as_multiprocess_metrics(tmp_path)
     s.record_fallback("draft")
     early = TreeStats()
     early.record_choice("mc6")
-    runs = [[early.as_dict(), s.as_dict()], [s.as_dict() | {"requests_with_state": 3}]]
-    for snapshots in runs:  # one process per data-parallel rank; the first publishes twice
-        subprocess.run([sys.executable, "-c", _PUBLISH_SNAPSHOTS, json.dumps(snapshots), str(json_dir)], check=True,
-                       env=os.environ | {"PROMETHEUS_MULTIPROC_DIR": str(mp_dir)})
-    assert sorted(p.name.split("_")[0] for p in mp_dir.glob("*.db")) == ["counter", "counter", "gauge", "gauge"]
+    runs = [([early.as_dict(), s.as_dict() | {"requests_with_state": 1}], "early"),
+            ([s.as_dict() | {"requests_with_state": 3}], "late")]
+    procs = [subprocess.Popen([sys.executable, "-c", _PUBLISH_SNAPSHOTS, json.dumps(snaps), str(json_dir),
+                               str(mp_dir), when], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"})
+             for snaps, when in runs]
 
-    served = CollectorRegistry()  # what vLLM serves with several API servers (get_prometheus_registry)
-    multiprocess.MultiProcessCollector(served, path=str(mp_dir))
+    def scrape() -> dict:
+        served = CollectorRegistry()  # what vLLM serves with several API servers (get_prometheus_registry)
+        multiprocess.MultiProcessCollector(served, path=str(mp_dir))
+        return _samples(generate_latest(served).decode())
+
+    try:
+        assert [p.stdout.readline().strip() for p in procs] == ["published", "published"]
+        got = scrape()
+    finally:
+        for p in procs:
+            p.communicate("\n", timeout=60)
+    assert [p.returncode for p in procs] == [0, 0]
     single = CollectorRegistry()
     single.register(EntMTPCollector(json_dir))
-    got, want = _samples(generate_latest(served).decode()), _samples(generate_latest(single).decode())
-    assert got == want
+    assert got == _samples(generate_latest(single).decode())
     assert got[("vllm:entmtp_tree_chosen_total", (("tree", "mc6"),))] == 4  # 2 + 2, the early snapshot not added
     assert got[("vllm:entmtp_mixed_length_steps_total", ())] == 6
-    assert got[("vllm:entmtp_requests_with_state", ())] == 3
+    assert got[("vllm:entmtp_requests_with_state", ())] == 4
+    after = scrape()  # both exited: their counters stay, their gauges are gone
+    assert after[("vllm:entmtp_tree_chosen_total", (("tree", "mc6"),))] == 4
+    assert after.get(("vllm:entmtp_requests_with_state", ()), 0) == 0

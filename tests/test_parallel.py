@@ -8,6 +8,7 @@ Data parallelism: ``vllm serve --data-parallel-size 2`` (two engines, one per co
 both engines draft, greedy answers equal the same server's answers without drafting, and the plugin's counters
 reach ``/metrics`` (served in Prometheus' multiprocess mode there) summed over the ranks."""
 import json
+import os
 import sys
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -56,9 +57,12 @@ def test_tensor_parallel_drafts_and_verifies_trees(runs):
     assert "not measured under tensor parallelism" in log
 
 
-DP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# one engine on each of the first two cores this process may use
+DP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, sorted(os.sched_getaffinity(0))[:2])),
+          "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binds two engines to two cores")
 def test_data_parallel_serves_entmtp_with_its_metrics(tmp_path, default_model, monkeypatch):
     load_benchmark("compare")  # benchmarks/ on sys.path
     from compare_methods import SERVED_MODEL_NAME, Method
@@ -81,14 +85,16 @@ def test_data_parallel_serves_entmtp_with_its_metrics(tmp_path, default_model, m
 
     for k, v in DP_ENV.items():
         monkeypatch.setenv(k, v)
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)  # vLLM makes a fresh one
     with Server(cmd, tmp_path / "server.log", port, 900, "entmtp-dp2") as server:
         with ThreadPoolExecutor(8) as pool:  # several at once: the front ends spread them over both engines
             drafted = list(pool.map(chat, [(m, 99) for m in convs]))
+            # after the drafted requests: their counters are published (within 0.1 s) before the scrape below
             undrafted = list(pool.map(chat, [(m, 0) for m in convs]))
         with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as resp:
             metrics = parse_metrics(resp.read().decode())
     assert drafted == undrafted
-    assert sum(map(len, drafted)) > 10 * 32
+    assert sum(map(len, drafted)) > 10 * 32  # characters of 10 answers of up to 32 tokens: real generations
     per_engine = {dict(labels)["engine"]: v for labels, v in metrics["vllm:spec_decode_num_drafts_total"].items()}
     assert set(per_engine) == {"0", "1"} and min(per_engine.values()) > 0, per_engine  # both engines drafted
     # the plugin's counters, written by both engines' drafters as multiprocess metrics, summed at the scrape

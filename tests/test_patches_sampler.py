@@ -62,15 +62,19 @@ def test_a_step_without_draft_tokens_and_top_k_alone_does_not_crash():
     assert rs.apply_sampling_constraints(empty, cu, meta).shape == (0, 8)
 
 
-def _greedy_batch(num_draft_tokens, vocab=64, seed=0, match=0.6):
+def _greedy_batch(num_draft_tokens, vocab=64, seed=0, match=0.6, ties=False):
     """vLLM's inputs to ``RejectionSampler.forward`` for an all-greedy batch: logits with a row per draft token
-    and a bonus row per request, draft tokens equal to their row's argmax with probability ``match``."""
-    import numpy as np
+    and a bonus row per request, draft tokens equal to their row's argmax with probability ``match``; with
+    ``ties``, every row's maximum appears twice (before and after the first one, alternately)."""
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     gen = torch.Generator().manual_seed(seed)
     rows = sum(num_draft_tokens) + len(num_draft_tokens)
     logits = torch.randn(rows, vocab, generator=gen)
+    if ties:
+        for r in range(rows):
+            m = int(logits[r].argmax())
+            logits[r, (m + (vocab // 3 if r % 2 else -vocab // 3)) % vocab] = logits[r, m]
     draft = []
     start = 0
     for n in num_draft_tokens:
@@ -78,9 +82,10 @@ def _greedy_batch(num_draft_tokens, vocab=64, seed=0, match=0.6):
             best = int(logits[start + j].argmax())
             draft.append(best if torch.rand(1, generator=gen).item() < match else (best + 1) % vocab)
         start += n + 1
-    meta = SpecDecodeMetadata.make_dummy([draft[sum(num_draft_tokens[:i]):sum(num_draft_tokens[:i + 1])]
-                                          for i in range(len(num_draft_tokens))], device=torch.device("cpu"))
-    return meta, logits, np
+    ends = [sum(num_draft_tokens[:i + 1]) for i in range(len(num_draft_tokens))]
+    meta = SpecDecodeMetadata.make_dummy([draft[e - n:e] for e, n in zip(ends, num_draft_tokens)],
+                                         device=torch.device("cpu"))
+    return meta, logits
 
 
 def _sampling_metadata(**over):
@@ -95,27 +100,35 @@ def _sampling_metadata(**over):
     return SamplingMetadata(**(fields | over))
 
 
-@pytest.mark.parametrize("num_draft_tokens", [[3, 0, 5, 1], [0, 0], [4], [1] * 16])
-def test_the_greedy_fast_path_returns_vllms_rejection_sampling_output(num_draft_tokens):
-    """For an all-greedy batch that asks for argmaxes only, entmtp's runners skip vLLM's copies of the logits;
-    the accepted tokens, bonus tokens and placeholders are vLLM's, and the logits are left as they were."""
+def _samplers():
+    """vLLM's rejection sampler, and one marked for the fast path as entmtp's runners mark theirs."""
+    from vllm.platforms import current_platform
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
     from vllm_entmtp.patches import apply_all
-    from vllm_entmtp.patches.sampler import GREEDY_FAST_PATH_ATTR, argmax_only
-
-    from vllm.platforms import current_platform
+    from vllm_entmtp.patches.sampler import GREEDY_FAST_PATH_ATTR
 
     current_platform.register_triton_kernel_overrides()  # what vLLM's CPU worker does before it samples
     apply_all()
-    sm = _sampling_metadata()
-    assert argmax_only(sm)
-    vllms = RejectionSampler(Sampler())
     fast = RejectionSampler(Sampler())
     setattr(fast, GREEDY_FAST_PATH_ATTR, True)
+    return RejectionSampler(Sampler()), fast
+
+
+@pytest.mark.parametrize("num_draft_tokens", [[3, 0, 5, 1], [0, 0], [4], [1] * 16])
+@pytest.mark.parametrize("ties", [False, True])
+def test_the_greedy_fast_path_returns_vllms_rejection_sampling_output(num_draft_tokens, ties):
+    """For an all-greedy batch that asks for argmaxes only, entmtp's runners skip vLLM's copies of the logits;
+    the accepted tokens, bonus tokens and placeholders are vLLM's (tied maxima too), and the logits are left as
+    they were."""
+    from vllm_entmtp.patches.sampler import argmax_only
+
+    vllms, fast = _samplers()
+    sm = _sampling_metadata()
+    assert argmax_only(sm)
     for seed in range(5):
-        meta, logits, _ = _greedy_batch(num_draft_tokens, seed=seed)
+        meta, logits = _greedy_batch(num_draft_tokens, seed=seed, ties=ties)
         before = logits.clone()
         want = vllms(meta, None, logits.clone(), sm).sampled_token_ids
         got = fast(meta, None, logits, sm)
@@ -123,17 +136,46 @@ def test_the_greedy_fast_path_returns_vllms_rejection_sampling_output(num_draft_
         assert got.sampled_token_ids.dtype == want.dtype and torch.equal(got.sampled_token_ids, want), (got, want)
 
 
+def test_a_batch_that_asks_for_more_than_argmaxes_takes_vllms_path():
+    """A marked sampler given a batch whose logits vLLM changes before the argmax (here an allowed-token mask
+    that forbids each row's maximum) returns vLLM's output, which the argmaxes of the raw logits would not."""
+    vllms, fast = _samplers()
+    meta, logits = _greedy_batch([2, 3], match=1.0)
+    mask = torch.zeros(2, logits.shape[1], dtype=torch.bool)
+    mask[:, logits.argmax(dim=-1).unique()] = True  # every row's own maximum is not allowed
+    sm = _sampling_metadata(allowed_token_ids_mask=mask)
+    want = vllms(meta, None, logits.clone(), sm).sampled_token_ids
+    got = fast(meta, None, logits.clone(), sm).sampled_token_ids
+    assert torch.equal(got, want)
+    unmasked = fast(meta, None, logits.clone(), _sampling_metadata()).sampled_token_ids
+    assert not torch.equal(unmasked, want)
+
+
 def test_the_greedy_fast_path_is_left_when_the_batch_asks_for_more_than_argmaxes():
+    from types import SimpleNamespace
+
     from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 
     from vllm_entmtp.patches.sampler import argmax_only
 
     bias = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
-    assert argmax_only(_sampling_metadata(logitsprocs=LogitsProcessors([bias])))  # no request uses it
+    min_tokens = MinTokensLogitsProcessor(None, torch.device("cpu"), False)
+    idle = _sampling_metadata(logitsprocs=LogitsProcessors([bias, min_tokens]))
+    assert argmax_only(idle)  # no request uses them
     bias.biases = {0: {5: 3.0}}
-    assert not argmax_only(_sampling_metadata(logitsprocs=LogitsProcessors([bias])))
+    assert not argmax_only(idle)
+    bias.biases = {}
+    min_tokens.min_toks = {0: (4, [], {2}, False)}
+    assert not argmax_only(idle)
+
+    class OwnProcessor:  # a processor entmtp does not know: taken as active
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+    assert not argmax_only(_sampling_metadata(logitsprocs=LogitsProcessors([OwnProcessor()])))
+    busy = SimpleNamespace(has_tracked_requests=lambda: True)
     for over in ({"all_greedy": False}, {"max_num_logprobs": 0}, {"no_penalties": False},
                  {"bad_words_token_ids": {0: [[7]]}}, {"allowed_token_ids_mask": torch.zeros(1, 64, dtype=bool)},
-                 {"logprob_token_ids": {0: [3]}}):
+                 {"logprob_token_ids": {0: [3]}}, {"thinking_budget_state_holder": busy}):
         assert not argmax_only(_sampling_metadata(**over)), over

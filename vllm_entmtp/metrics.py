@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -52,6 +53,8 @@ from pathlib import Path
 from typing import Any
 
 STATS_DIR_ENV = "VLLM_ENTMTP_STATS_DIR"
+#: Set (by vLLM, with several API servers) where ``/metrics`` is served in Prometheus' multiprocess mode.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _collector = None
 
 
@@ -86,7 +89,9 @@ def ancestor_pids() -> list[int]:
 
 def publish(stats: dict, directory: str | Path | None = None) -> None:
     """Write this process's counters (``TreeStats.as_dict()``) to ``<dir>/<pid>.json``, atomically, tagged
-    with this process's ancestor pids (the front end that reads them is one of them)."""
+    with this process's ancestor pids (the front end that reads them is one of them); where
+    ``$PROMETHEUS_MULTIPROC_DIR`` is set, also as multiprocess metrics (:class:`MultiprocessCounters`). Best
+    effort: a failure to write is swallowed (and logged once for the multiprocess metrics)."""
     directory = Path(directory or os.environ.get(STATS_DIR_ENV) or ensure_stats_dir())
     tmp = directory / f".{os.getpid()}.json.tmp"
     try:
@@ -95,7 +100,13 @@ def publish(stats: dict, directory: str | Path | None = None) -> None:
     except OSError:  # the folder went away (server shutting down): metrics are best effort
         pass
     if os.environ.get(MULTIPROC_ENV):  # several API servers read multiprocess files only (MultiprocessCounters)
-        _mirror_multiprocess(stats)
+        try:
+            _mirror_multiprocess(stats)
+        except Exception as e:  # noqa: BLE001 - metrics are best effort
+            global _mirror_failed
+            if not _mirror_failed:
+                _mirror_failed = True
+                logging.getLogger("vllm.entmtp").warning("entmtp metrics: writing multiprocess counters failed: %r", e)
 
 
 #: How often, at most, :class:`Publisher` writes the drafter's counters while the engine steps (seconds).
@@ -255,8 +266,6 @@ class EntMTPCollector:
             yield fam
 
 
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-
 
 class MultiprocessCounters:
     """One drafter's counters as ``prometheus_client`` multiprocess metrics (files in ``$PROMETHEUS_MULTIPROC_DIR``).
@@ -267,11 +276,21 @@ class MultiprocessCounters:
     the engines, so their workers inherit it; there :meth:`update` mirrors each published snapshot into
     counters of the same families (:func:`families`: same names, help and labels), and a scrape sums them over
     processes (every data-parallel rank's drafter). Counters grow by the difference to the last snapshot; the gauge
-    is summed over live processes. A family shows up once it has a sample (a labelled family with none, e.g.
+    is summed over processes (one that exits cleanly removes its own; a killed one's stays until vLLM wipes the
+    folder at its next start). A family shows up once it has a sample (a labelled family with none, e.g.
     ``vllm:entmtp_fallbacks`` before any fault, is absent, where the single-server collector lists it empty).
     """
 
     def __init__(self):
+        from prometheus_client import multiprocess, values
+
+        # prometheus_client picks in-memory or multiprocess values once, at its import: a process forked from
+        # one that imported it before vLLM set the folder (vLLM's default start method on GPUs) keeps in-memory
+        # values, which no scrape reads. Metrics made after this line write the folder's files.
+        if not getattr(values.ValueClass, "_multiprocess", False):
+            values.ValueClass = values.MultiProcessValue()
+        # this process's gauge file goes when it exits (a scrape sums the gauge over live processes)
+        atexit.register(multiprocess.mark_process_dead, os.getpid())
         self._metrics: dict[str, Any] = {}
         self._last: dict[tuple[str, str | None], float] = {}
 
@@ -297,6 +316,7 @@ class MultiprocessCounters:
 
 
 _multiproc: MultiprocessCounters | None = None
+_mirror_failed = False
 
 
 def _mirror_multiprocess(stats: dict) -> None:

@@ -28,10 +28,10 @@ Triton kernel.
 greedy and nothing but the argmax is asked of the logits (no logprobs, penalties, bad words, allowed-token mask,
 active ``logit_bias`` or ``min_tokens``, thinking budget, draft probabilities or synthetic acceptance), vLLM's path
 copies the bonus rows twice (an indexed copy, then a clone for raw-logit logprobs nobody reads) and the draft-token
-rows twice, each ``[rows, vocab]``, before taking the same argmaxes. At 16 requests with 14 draft tokens a step
-that cost 5.1 ms over plain decoding's sampler on a 2-core Xeon (``benchmarks/results/step-profile-2026-12-02``).
-:func:`greedy_verify` takes one argmax over all rows and hands vLLM's own greedy acceptance kernel the same
-inputs, so the output is the same tensor; any other batch runs vLLM's forward.
+rows twice, each ``[rows, vocab]``, before taking the argmaxes (the draft-token rows' with torch's argmax, on CPU
+several times slower than vLLM's own greedy kernel). :func:`greedy_verify` takes vLLM's greedy argmax once over
+all rows and hands vLLM's own greedy acceptance kernel the same inputs, so the output is the same tensor; any
+other batch runs vLLM's forward. Measured: ``benchmarks/results/step-profile-2026-12-02b/``.
 """
 from __future__ import annotations
 
@@ -110,8 +110,12 @@ def greedy_verify(metadata, logits: torch.Tensor):
     max_spec_len + 1]`` int32, placeholders after a request's accepted tokens and bonus token)."""
     import vllm.v1.sample.rejection_sampler as rs
     from vllm.v1.outputs import SamplerOutput
+    from vllm.v1.sample.sampler import Sampler
 
-    argmax = logits.argmax(dim=-1)
+    # vLLM's greedy argmax (on CPU its own kernel, several times faster than torch's there), row by row over all
+    # rows: the bonus rows' tokens are vLLM's; on the draft-token rows vLLM takes torch's argmax, which picks the
+    # same index, ties included (the first maximum; tests/test_patches_sampler.py)
+    argmax = Sampler.greedy_sample(logits).long()
     bonus = argmax[metadata.bonus_logits_indices].to(torch.int32).unsqueeze(-1)  # as vLLM's Sampler returns it
     out = torch.full((len(metadata.num_draft_tokens), metadata.max_spec_len + 1), rs.PLACEHOLDER_TOKEN_ID,
                      dtype=torch.int32, device=logits.device)

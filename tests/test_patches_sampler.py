@@ -116,39 +116,81 @@ def _samplers():
     return RejectionSampler(Sampler()), fast
 
 
-@pytest.mark.parametrize("num_draft_tokens", [[3, 0, 5, 1], [0, 0], [4], [1] * 16])
-@pytest.mark.parametrize("ties", [False, True])
-def test_the_greedy_fast_path_returns_vllms_rejection_sampling_output(num_draft_tokens, ties):
-    """For an all-greedy batch that asks for argmaxes only, entmtp's runners skip vLLM's copies of the logits;
-    the accepted tokens, bonus tokens and placeholders are vLLM's (tied maxima too), and the logits are left as
-    they were."""
+FAST_PATH_CASES = [([3, 0, 5, 1], False), ([0, 0], False), ([4], False), ([1] * 16, False),
+                   ([3, 0, 5, 1], True), ([1] * 16, True)]
+
+
+def compare_fast_path() -> dict:
+    """Each of :data:`FAST_PATH_CASES` (5 seeds each) through vLLM's rejection sampler and a marked one, and a
+    batch with an allowed-token mask through both; what the tests below assert."""
     from vllm_entmtp.patches.sampler import argmax_only
 
     vllms, fast = _samplers()
     sm = _sampling_metadata()
-    assert argmax_only(sm)
-    for seed in range(5):
-        meta, logits = _greedy_batch(num_draft_tokens, seed=seed, ties=ties)
-        before = logits.clone()
-        want = vllms(meta, None, logits.clone(), sm).sampled_token_ids
-        got = fast(meta, None, logits, sm)
-        assert got.logprobs_tensors is None and torch.equal(logits, before)
-        assert got.sampled_token_ids.dtype == want.dtype and torch.equal(got.sampled_token_ids, want), (got, want)
-
-
-def test_a_batch_that_asks_for_more_than_argmaxes_takes_vllms_path():
-    """A marked sampler given a batch whose logits vLLM changes before the argmax (here an allowed-token mask
-    that forbids each row's maximum) returns vLLM's output, which the argmaxes of the raw logits would not."""
-    vllms, fast = _samplers()
+    out = {"argmax_only": argmax_only(sm), "cases": []}
+    for num_draft_tokens, ties in FAST_PATH_CASES:
+        for seed in range(5):
+            meta, logits = _greedy_batch(num_draft_tokens, seed=seed, ties=ties)
+            before = logits.clone()
+            want = vllms(meta, None, logits.clone(), sm).sampled_token_ids
+            got = fast(meta, None, logits, sm)
+            out["cases"].append({"case": [num_draft_tokens, ties, seed], "want": want.tolist(),
+                                 "got": got.sampled_token_ids.tolist(),
+                                 "same_dtype": got.sampled_token_ids.dtype == want.dtype,
+                                 "no_logprobs": got.logprobs_tensors is None,
+                                 "logits_unchanged": torch.equal(logits, before)})
     meta, logits = _greedy_batch([2, 3], match=1.0)
     mask = torch.zeros(2, logits.shape[1], dtype=torch.bool)
     mask[:, logits.argmax(dim=-1).unique()] = True  # every row's own maximum is not allowed
-    sm = _sampling_metadata(allowed_token_ids_mask=mask)
-    want = vllms(meta, None, logits.clone(), sm).sampled_token_ids
-    got = fast(meta, None, logits.clone(), sm).sampled_token_ids
-    assert torch.equal(got, want)
-    unmasked = fast(meta, None, logits.clone(), _sampling_metadata()).sampled_token_ids
-    assert not torch.equal(unmasked, want)
+    masked = _sampling_metadata(allowed_token_ids_mask=mask)
+    out["masked"] = {"vllm": vllms(meta, None, logits.clone(), masked).sampled_token_ids.tolist(),
+                     "marked": fast(meta, None, logits.clone(), masked).sampled_token_ids.tolist(),
+                     "unmasked": fast(meta, None, logits.clone(), sm).sampled_token_ids.tolist()}
+    return out
+
+
+_COMPARE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from test_patches_sampler import compare_fast_path
+print("RESULT " + json.dumps(compare_fast_path()), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def fast_path_runs() -> dict:
+    """:func:`compare_fast_path` in a fresh process: vLLM's CPU kernel overrides (what its CPU worker installs before
+    sampling) rebind kernels by scanning every loaded module, which fails on modules that other tests load
+    (``vllm/triton_utils/dispatcher.py``)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    p = subprocess.run([sys.executable, "-c", _COMPARE, str(Path(__file__).parent)], capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_the_greedy_fast_path_returns_vllms_rejection_sampling_output(fast_path_runs):
+    """For an all-greedy batch that asks for argmaxes only, entmtp's runners skip vLLM's copies of the logits;
+    the accepted tokens, bonus tokens and placeholders are vLLM's (tied maxima too), and the logits are left as
+    they were."""
+    assert fast_path_runs["argmax_only"]
+    cases = fast_path_runs["cases"]
+    assert len(cases) == 5 * len(FAST_PATH_CASES)
+    for c in cases:
+        assert c["got"] == c["want"] and c["same_dtype"] and c["no_logprobs"] and c["logits_unchanged"], c
+    assert any(-1 in row for c in cases for row in c["want"])  # rejected drafts (placeholders) were among them
+
+
+def test_a_batch_that_asks_for_more_than_argmaxes_takes_vllms_path(fast_path_runs):
+    """A marked sampler given a batch whose logits vLLM changes before the argmax (here an allowed-token mask
+    that forbids each row's maximum) returns vLLM's output, which the argmaxes of the raw logits would not."""
+    masked = fast_path_runs["masked"]
+    assert masked["marked"] == masked["vllm"] and masked["unmasked"] != masked["vllm"], masked
 
 
 def test_the_greedy_fast_path_is_left_when_the_batch_asks_for_more_than_argmaxes():

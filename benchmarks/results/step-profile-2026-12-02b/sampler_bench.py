@@ -5,24 +5,20 @@ Run from the repository root: ``.venv/bin/python benchmarks/results/step-profile
 (it builds its batches with the helpers of ``tests/test_patches_sampler.py``).
 """
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+ROOT = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 from test_patches_sampler import _greedy_batch, _samplers, _sampling_metadata  # noqa: E402
+from verify_cost import _time  # noqa: E402
 
 
 def median_ms(fn, repeats: int = 40) -> float:
-    for _ in range(5):
+    for _ in range(4):  # warm-up (one more in _time)
         fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[repeats // 2] * 1e3
+    return _time(fn, repeats) * 1e3
 
 
 def main() -> None:

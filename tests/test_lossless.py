@@ -209,7 +209,7 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     # no prefix cache, and the engine in this process (vLLM's in-process client adds every request before the
     # first step; a separate engine-core process may start stepping while requests still arrive, so batches
     # depended on timing): the matrix's second run gets the same batches as its first
-    prefix = functools.partial(
+    prefix_engine = functools.partial(
         _run, tmp, "prefix", default_model,
         {"method": "entmtp", "model": _prefix_heads(shipped_heads["hydra"], default_model, tmp / "prefix"),
          "tree_set": tree_set, "policy": policy, "load_policy": "cap", "draft_sources": "heads"},
@@ -234,7 +234,7 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
     # other threads (structured-output grammars) then have the other core (bound beside the tree engine it took
     # 3x as long)
     (plain, hybrid), (chain, tree) = _in_lanes([[plain, hybrid], [chain, tree]])
-    prefix = prefix()
+    prefix = prefix_engine()
     tree["forced"], tree["chain"] = forced, (cut_chain, ts.get(cut_chain).num_nodes)
     return prompts, plain, {"chain": chain, "tree": tree, "prefix": prefix, "hybrid": hybrid}
 

@@ -266,7 +266,6 @@ class EntMTPCollector:
             yield fam
 
 
-
 class MultiprocessCounters:
     """One drafter's counters as ``prometheus_client`` multiprocess metrics (files in ``$PROMETHEUS_MULTIPROC_DIR``).
 

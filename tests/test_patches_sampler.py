@@ -62,15 +62,16 @@ def test_a_step_without_draft_tokens_and_top_k_alone_does_not_crash():
     assert rs.apply_sampling_constraints(empty, cu, meta).shape == (0, 8)
 
 
-def _greedy_batch(num_draft_tokens, vocab=64, seed=0, match=0.6, ties=False):
-    """vLLM's inputs to ``RejectionSampler.forward`` for an all-greedy batch: logits with a row per draft token
-    and a bonus row per request, draft tokens equal to their row's argmax with probability ``match``; with
-    ``ties``, every row's maximum appears twice (before and after the first one, alternately)."""
+def _greedy_batch(num_draft_tokens, vocab=64, seed=0, match=0.6, ties=False, dtype=torch.float32):
+    """vLLM's inputs to ``RejectionSampler.forward`` for an all-greedy batch: logits (in ``dtype``, the served
+    model's) with a row per draft token and a bonus row per request, draft tokens equal to their row's argmax with
+    probability ``match``; with ``ties``, every row's maximum appears twice (before and after the first one,
+    alternately)."""
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     gen = torch.Generator().manual_seed(seed)
     rows = sum(num_draft_tokens) + len(num_draft_tokens)
-    logits = torch.randn(rows, vocab, generator=gen)
+    logits = torch.randn(rows, vocab, generator=gen).to(dtype)
     if ties:
         for r in range(rows):
             m = int(logits[r].argmax())
@@ -116,8 +117,11 @@ def _samplers():
     return RejectionSampler(Sampler()), fast
 
 
-FAST_PATH_CASES = [([3, 0, 5, 1], False), ([0, 0], False), ([4], False), ([1] * 16, False),
-                   ([3, 0, 5, 1], True), ([1] * 16, True)]
+#: (draft tokens per request, tied maxima, the logits' dtype): bfloat16 is what `make serve` serves on CPUs with
+#: AVX-512 BF16, and vLLM's CPU argmax kernel takes float32 logits only
+FAST_PATH_CASES = [([3, 0, 5, 1], False, "float32"), ([0, 0], False, "float32"), ([4], False, "float32"),
+                   ([1] * 16, False, "float32"), ([3, 0, 5, 1], True, "float32"), ([1] * 16, True, "float32"),
+                   ([3, 0, 5, 1], False, "bfloat16"), ([1] * 16, True, "bfloat16"), ([2, 2], False, "float16")]
 
 
 def compare_fast_path() -> dict:
@@ -128,13 +132,13 @@ def compare_fast_path() -> dict:
     vllms, fast = _samplers()
     sm = _sampling_metadata()
     out = {"argmax_only": argmax_only(sm), "cases": []}
-    for num_draft_tokens, ties in FAST_PATH_CASES:
+    for num_draft_tokens, ties, dtype in FAST_PATH_CASES:
         for seed in range(5):
-            meta, logits = _greedy_batch(num_draft_tokens, seed=seed, ties=ties)
+            meta, logits = _greedy_batch(num_draft_tokens, seed=seed, ties=ties, dtype=getattr(torch, dtype))
             before = logits.clone()
             want = vllms(meta, None, logits.clone(), sm).sampled_token_ids
             got = fast(meta, None, logits, sm)
-            out["cases"].append({"case": [num_draft_tokens, ties, seed], "want": want.tolist(),
+            out["cases"].append({"case": [num_draft_tokens, ties, dtype, seed], "want": want.tolist(),
                                  "got": got.sampled_token_ids.tolist(),
                                  "same_dtype": got.sampled_token_ids.dtype == want.dtype,
                                  "no_logprobs": got.logprobs_tensors is None,

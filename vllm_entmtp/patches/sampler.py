@@ -115,7 +115,9 @@ def greedy_verify(metadata, logits: torch.Tensor):
     # vLLM's greedy argmax (on CPU its own kernel, several times faster than torch's there), row by row over all
     # rows: the bonus rows' tokens are vLLM's; on the draft-token rows vLLM takes torch's argmax, which picks the
     # same index, ties included (the first maximum; tests/test_patches_sampler.py)
-    argmax = Sampler.greedy_sample(logits).long()
+    # vLLM takes both argmaxes over float32 logits (its CPU kernel accepts nothing else); from bfloat16 or float16
+    # the cast is exact, so the indices are those of the served dtype's logits
+    argmax = Sampler.greedy_sample(logits.float()).long()
     bonus = argmax[metadata.bonus_logits_indices].to(torch.int32).unsqueeze(-1)  # as vLLM's Sampler returns it
     out = torch.full((len(metadata.num_draft_tokens), metadata.max_spec_len + 1), rs.PLACEHOLDER_TOKEN_ID,
                      dtype=torch.int32, device=logits.device)

@@ -7,8 +7,10 @@ the Medusa heads draft chains (8 concurrent requests), and the default heads (Hy
 chosen per request and step by the confidence scheduler from the `default` tree set's trees (three branching
 trees, and its longest chain cut by a ``chain_stop``; batch sizes 1, 4 and 16). In
 the concurrent phases a third of the requests draft nothing and a third at most 1 token (the per-request cap),
-so requests with different trees and with none share every step. Each engine runs in a process of its own, four of
-them two at a time on cores of their own where there are two (:func:`_in_lanes`), then the prefix engine alone.
+so requests with different trees and with none share every step. A fifth engine serves the defaults in bfloat16
+(`make serve`'s dtype on CPUs with AVX-512 BF16): it must serve, draft and verify, not equal plain decoding. Each
+engine runs in a process of its own, five of them in two lanes on cores of their own where there are two
+(:func:`_in_lanes`), then the prefix engine alone.
 
 The tree engine also runs with prefix caching, chunked prefill and a KV cache small enough to force preemption
 (``TREE_ENGINE``), samples (temperature 0.8, top-p, top-k, per-request seeds) twice with the same seeds, and has
@@ -233,9 +235,13 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
                                hybrid_phases, hybrid_convs, env={"VLLM_ENTMTP_TREE_ATTENTION": "0"})
     # the defaults in bfloat16, the dtype `make serve` serves on CPUs with AVX-512 BF16 (not compared with plain
     # decoding: in bfloat16 a verification forward's near-ties flip; docs/architecture.md)
-    bf16 = functools.partial(_run, tmp, "bfloat16", default_model, {"method": "entmtp"},
+    # (the cap, so that drafting does not depend on step costs, which in bfloat16 on CPUs without native bfloat16
+    # GEMMs may say no draft pays)
+    bf16 = functools.partial(_run, tmp, "bfloat16", default_model, {"method": "entmtp", "load_policy": "cap"},
                              [{"name": "c4", "concurrency": 4, "prompts": BF16_PROMPTS},
-                              {"name": "sampled", "concurrency": 4, **SAMPLED, "prompts": BF16_PROMPTS}],
+                              {"name": "sampled", "concurrency": 4, **SAMPLED, "prompts": BF16_PROMPTS},
+                              {"name": "trees", "concurrency": 4, "prompts": BF16_PROMPTS,
+                               "extra_args": [{REQUEST_TREE_KEY: "b2n4"}] * len(BF16_PROMPTS)}],
                              hybrid_convs, dtype="bfloat16")
     # two lanes on this project's 2 cores (engine minutes on a 2-core Xeon, 2026-12-02, side by side: plain 8,
     # hybrid 4.5; chain 2, tree 14), then the prefix engine alone: it runs inside its front-end process, whose
@@ -552,11 +558,21 @@ def test_without_tree_attention_the_schedule_chooses_chains_per_request(runs):
 def test_the_defaults_serve_in_bfloat16(runs):
     """`make serve` serves the model's bfloat16 where the CPU has AVX-512 BF16. vLLM's CPU argmax takes float32
     logits only: the greedy verification path once crashed the engine at start-up in bfloat16 (the tests ran
-    float32 only). Greedy and seeded sampled requests complete, with draft tokens accepted."""
+    float32 only). With the defaults but the cap load rule, greedy and seeded sampled requests complete, with
+    draft tokens accepted and no fault contained; requests held to a branching tree have it verified (and accepted
+    through it) where vLLM's CPU attention takes trees in bfloat16 (no AMX), and draft its top-1 chain elsewhere,
+    as the start-up line says."""
     run = runs[2]["bfloat16"]
-    for phase in ("c4", "sampled"):
+    for phase in ("c4", "sampled", "trees"):
         got = run[phase]
         assert len(got["token_ids"]) == len(BF16_PROMPTS) and all(len(t) > 0 for t in got["token_ids"]), phase
         assert set(got["finish_reasons"]) <= {"stop", "length"}, got["finish_reasons"]
     spec = run["c4"]["spec"]
     assert spec["num_drafts"] > 0 and 0 < spec["num_accepted_tokens"] <= spec["num_draft_tokens"], spec
+    assert run["trees"]["tree_stats"]["fallbacks"] == {}  # cumulative over the phases
+    after, before = run["trees"]["tree_stats"], run["sampled"]["tree_stats"]
+    trees = after["tree_steps"] - before["tree_steps"]
+    if "drafting trees scheduled" in run["log"]:
+        assert trees > 0 and after["tokens_accepted"] > before["tokens_accepted"], after
+    else:
+        assert "drafting chains scheduled" in run["log"] and trees == 0

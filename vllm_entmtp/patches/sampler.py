@@ -30,7 +30,7 @@ active ``logit_bias`` or ``min_tokens``, thinking budget, draft probabilities or
 copies the bonus rows twice (an indexed copy, then a clone for raw-logit logprobs nobody reads) and the draft-token
 rows twice, each ``[rows, vocab]``, before taking the argmaxes (the draft-token rows' with torch's argmax, on CPU
 several times slower than vLLM's own greedy kernel). :func:`greedy_verify` takes vLLM's greedy argmax once over
-all rows and hands vLLM's own greedy acceptance kernel the same inputs, so the output is the same tensor; any
+all rows (of float32 logits, as vLLM's sampler does: one exact copy where the model serves bfloat16) and hands vLLM's own greedy acceptance kernel the same inputs, so the output is the same tensor; any
 other batch runs vLLM's forward. Measured: ``benchmarks/results/step-profile-2026-12-02b/``.
 """
 from __future__ import annotations
@@ -105,9 +105,10 @@ def argmax_only(sampling_metadata) -> bool:
 
 
 def greedy_verify(metadata, logits: torch.Tensor):
-    """vLLM's all-greedy rejection sampling without copying the logits: ``logits`` ``[draft tokens + requests,
-    vocab]`` as vLLM's ``RejectionSampler.forward`` takes them; returns its ``SamplerOutput`` (``[requests,
-    max_spec_len + 1]`` int32, placeholders after a request's accepted tokens and bonus token)."""
+    """vLLM's all-greedy rejection sampling without vLLM's copies of the logits (float32 ones are not copied):
+    ``logits`` ``[draft tokens + requests, vocab]`` as vLLM's ``RejectionSampler.forward`` takes them; returns its
+    ``SamplerOutput`` (``[requests, max_spec_len + 1]`` int32, placeholders after a request's accepted tokens and
+    bonus token)."""
     import vllm.v1.sample.rejection_sampler as rs
     from vllm.v1.outputs import SamplerOutput
     from vllm.v1.sample.sampler import Sampler

@@ -432,6 +432,44 @@ def test_step_costs_interpolate_extrapolate_and_probe():
     assert c.summary()["rows_ms"] == {4: 10.0, 8: 20.0} and c.summary()["probes"] == 3
 
 
+def test_a_first_observation_is_dropped_when_a_second_arrives():
+    """A key's first observation carries one-time costs (kernels built for a new shape): alone it stands, the second
+    replaces it, later ones join the window."""
+    from vllm_entmtp.step_costs import StepCosts
+
+    c = StepCosts()
+    c.record_draft(1, 0.237)
+    assert c.draft_time(1) == 0.237  # alone, it stands
+    c.record_draft(1, 0.002)
+    assert c.draft_time(1) == 0.002  # the first is gone
+    c.record_draft(1, 0.004)
+    assert c.draft_time(1) == pytest.approx(0.003)  # the median of the later two
+    c.record_rows(3, 0.040)
+    c.record_rows(3, 0.026)
+    c.record_rows(3, 0.027)
+    assert c.rows_time(3) == pytest.approx(0.0265)
+
+
+def test_drafting_is_measured_again_where_it_does_not_pay():
+    """One slow first draft (237 ms against 2 ms after, seen on a served engine) said no draft pays at one request;
+    the heads then never ran, so the estimate could never change. Every PROBE_EVERY steps that do not pay the
+    drafter drafts anyway (needs_exploration); the second measurement replaces the first, and drafting pays."""
+    from vllm_entmtp.step_costs import PROBE_EVERY, StepCosts
+
+    s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
+    c = StepCosts()
+    for rows, t in ((1, 0.025), (5, 0.027)):
+        for _ in range(3):
+            c.record_rows(rows, t)
+    c.record_draft(1, 0.237)
+    assert not s.drafting_pays(1, c)
+    explored = [c.needs_exploration(1) for _ in range(2 * PROBE_EVERY)]
+    assert explored.count(True) == 2 and explored.index(True) == PROBE_EVERY - 1
+    assert not c.needs_exploration(4) and c.summary()["explorations"] == 2  # counted per batch size
+    c.record_draft(1, 0.002)  # what the exploring step measured
+    assert s.drafting_pays(1, c)
+
+
 def test_measured_rule_learns_how_each_requests_drafts_fare():
     """Two equally confident requests; one has accepted a fifth of what the calibration expected of its drafts:
     at a load where a draft pays only at the calibrated acceptance, that one stops drafting and the other keeps

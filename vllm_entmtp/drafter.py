@@ -361,7 +361,9 @@ class EntMTPProposer(MedusaProposer):
     def _propose_scheduled(self, hidden, bonus, req_ids, budgets, active):
         """EntMTP: update each request's signals, let the scheduler pick its tree, draft it. Under the measured
         load policy, a step that probes the plain step's cost, or in which no draft can pay at this batch size,
-        drafts nothing and runs no head (unless a request holds itself to a tree). With prompt lookup
+        drafts nothing and runs no head (unless a request holds itself to a tree; and every
+        :data:`~vllm_entmtp.step_costs.PROBE_EVERY` steps that do not pay, drafting is measured again: the
+        schedule drafts under the default cap). With prompt lookup
         (``draft_sources``), each request's lookup chain is weighed against the heads' draft
         (:meth:`~vllm_entmtp.scheduler.TreeScheduler.fit_lookup`); when every drafting request's lookup draft
         beats what the heads could expect, the heads do not run."""
@@ -377,8 +379,11 @@ class EntMTPProposer(MedusaProposer):
                 if heads_only_lookup or self.lookup.expected(req_ids[i], len(toks))
                 >= self.scheduler.best_expected(req_ids[i])}
         want_heads = [i for i in range(n) if budgets[i] > 0 and (active is None or active[i]) and i not in sure]
-        skip = probe or heads_only_lookup or not want_heads or (
-            costs is not None and free and not self.scheduler.drafting_pays(n, costs))
+        skip = probe or heads_only_lookup or not want_heads
+        explore = False  # no draft pays on the costs measured, but drafting is measured again (StepCosts)
+        if not skip and costs is not None and free and not self.scheduler.drafting_pays(n, costs):
+            explore = costs.needs_exploration(n)
+            skip = not explore
         if skip:
             pass
         elif self.scheduler.policy == "confidence" or self.drafter.confidence_is_free:
@@ -396,7 +401,9 @@ class EntMTPProposer(MedusaProposer):
             drafts = [[] for _ in req_ids]
         else:
             signals = self.tracker.signals_batch(req_ids)
-            choices = self.scheduler.choose(req_ids, signals, self.scheduler.node_budget(n), costs)
+            # exploring: the schedule's choice under the default cap, as before the costs were measured
+            choices = self.scheduler.choose(req_ids, signals, self.scheduler.node_budget(n),
+                                            None if explore else costs)
             forced_at = [f is not None for f in forced]
             for i, f in enumerate(forced):
                 if f is not None:

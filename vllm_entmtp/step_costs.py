@@ -18,6 +18,16 @@ between two measured row counts, the drafter makes a *probe*: one step of that b
 (:meth:`StepCosts.needs_probe`); a measured batch size is probed again every :data:`PROBE_EVERY` of its steps, so
 that the costs follow the contexts as they grow. Rows beyond the largest measured count are extrapolated, not
 explored: where that is pessimistic the rule drafts less than it could, never more.
+
+Two guards keep one bad observation from stopping the drafts for good (seen 2026-12-02 on a served bfloat16
+engine: the heads' first call took 237 ms, against about 2 ms after, and since the rule then found that no draft
+pays, the heads never ran again, so the estimate never changed and the server drafted from prompt lookup only):
+
+* the first observation of a row count or a batch size is dropped when the second arrives (it carries one-time
+  costs: kernels built for a new shape, memory first touched); alone, it stands;
+* where drafting does not pay, every :data:`PROBE_EVERY` such steps of a batch size the drafter drafts anyway
+  (:meth:`StepCosts.needs_exploration`, under the default cap of verified rows), so that the drafting time and the
+  draft rows' costs are measured again.
 """
 from __future__ import annotations
 
@@ -40,8 +50,11 @@ class StepCosts:
         self._rows: dict[int, deque] = {}
         self._draft: dict[int, deque] = {}
         self._since_probe: dict[int, int] = {}
+        self._since_draft: dict[int, int] = {}  # steps of a batch size whose drafts did not pay since one drafted
+        self._seen: dict[tuple[str, int], int] = {}  # observations so far per (kind, key)
         self._med: dict[int, float] | None = None  # medians by row count, cached until the next observation
         self.probes = 0
+        self.explorations = 0
 
     # -- observations ---------------------------------------------------------------------------------------------
 
@@ -49,13 +62,22 @@ class StepCosts:
         """A decode step (no prompt tokens) that verified ``rows`` rows (one root per request plus its draft
         tokens) took ``seconds`` in its row-bound part."""
         if rows >= 1 and seconds > 0:
-            self._rows.setdefault(rows, deque(maxlen=self.window)).append(seconds)
+            self._add(self._rows, "rows", rows, seconds)
             self._med = None
 
     def record_draft(self, batch_size: int, seconds: float) -> None:
         """Drafting for ``batch_size`` requests (signals, heads, scheduler) took ``seconds``."""
         if batch_size >= 1 and seconds > 0:
-            self._draft.setdefault(batch_size, deque(maxlen=self.window)).append(seconds)
+            self._add(self._draft, "draft", batch_size, seconds)
+
+    def _add(self, table: dict[int, deque], kind: str, key: int, seconds: float) -> None:
+        """Append an observation; the key's first one is dropped when its second arrives (module docstring)."""
+        seen = self._seen.get((kind, key), 0)
+        self._seen[(kind, key)] = seen + 1
+        obs = table.setdefault(key, deque(maxlen=self.window))
+        if seen == 1:
+            obs.clear()
+        obs.append(seconds)
 
     # -- probes ---------------------------------------------------------------------------------------------------
 
@@ -72,6 +94,17 @@ class StepCosts:
             return False
         self._since_probe[batch_size] = 0
         self.probes += 1
+        return True
+
+    def needs_exploration(self, batch_size: int) -> bool:
+        """Called on a step of ``batch_size`` requests in which no draft pays: whether to draft anyway, to measure
+        drafting again (every :attr:`probe_every` such steps of that batch size). Counts the step."""
+        n = self._since_draft.get(batch_size, 0) + 1
+        if n < self.probe_every:
+            self._since_draft[batch_size] = n
+            return False
+        self._since_draft[batch_size] = 0
+        self.explorations += 1
         return True
 
     # -- reads ----------------------------------------------------------------------------------------------------
@@ -126,7 +159,8 @@ class StepCosts:
         return statistics.median(self._draft[near])
 
     def summary(self) -> dict:
-        """For logs and tests: ``{"rows_ms": {R: median ms}, "draft_ms": {B: median ms}, "probes": n}``."""
+        """For logs and tests: ``{"rows_ms": {R: median ms}, "draft_ms": {B: median ms}, "probes": n,
+        "explorations": n}``."""
         return {"rows_ms": {r: round(1e3 * statistics.median(v), 3) for r, v in sorted(self._rows.items())},
                 "draft_ms": {b: round(1e3 * statistics.median(v), 3) for b, v in sorted(self._draft.items())},
-                "probes": self.probes}
+                "probes": self.probes, "explorations": self.explorations}

@@ -30,8 +30,9 @@ active ``logit_bias`` or ``min_tokens``, thinking budget, draft probabilities or
 copies the bonus rows twice (an indexed copy, then a clone for raw-logit logprobs nobody reads) and the draft-token
 rows twice, each ``[rows, vocab]``, before taking the argmaxes (the draft-token rows' with torch's argmax, on CPU
 several times slower than vLLM's own greedy kernel). :func:`greedy_verify` takes vLLM's greedy argmax once over
-all rows (of float32 logits, as vLLM's sampler does: one exact copy where the model serves bfloat16) and hands vLLM's own greedy acceptance kernel the same inputs, so the output is the same tensor; any
-other batch runs vLLM's forward. Measured: ``benchmarks/results/step-profile-2026-12-02b/``.
+all rows (of float32 logits, as vLLM's sampler does: one exact copy where the model serves bfloat16) and hands
+vLLM's own greedy acceptance kernel the same inputs, so the output is the same tensor; any other batch runs vLLM's
+forward. Measured: ``benchmarks/results/step-profile-2026-12-02b/``.
 """
 from __future__ import annotations
 

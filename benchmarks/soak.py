@@ -20,7 +20,9 @@ The report (printed, and ``--result-json``):
   tests hold equal to plain decoding), 16 at a time (in float32 the batch does not change greedy output); its
   text must be the same;
 * ``requests_with_state_after``: ``vllm:entmtp_requests_with_state`` after one probe request sent once the load
-  is over (the drafter's per-request state; only the probe's own may remain: at most 1);
+  is over and the server holds no request (the drafter's per-request state; only the probe's own may remain: at
+  most 1); ``idle_after_load``: whether the server held no request within 60 s of the load's end (must be true:
+  a request whose client went away is aborted);
 * ``preemptions`` (``vllm:num_preemptions_total`` during the run), ``spec_decode`` counters;
 * ``rss_mib``: resident memory of the server's processes (``--serve``, or ``--server-pid``: its process group)
   after warm-up (``--warmup`` s) and at the end, their ratio (flat: within 5 %), and every 30 s by process
@@ -156,10 +158,24 @@ def rss_mib(pgid: int | None) -> dict | None:
 
 #: the samples the soak reads: spec-decode and entmtp (throughput.py's defaults) and vLLM's preemption counter
 METRIC_PREFIXES = (tp.SPEC_PREFIX, *tp.TREE_PREFIXES, "vllm:num_preemptions")
+IDLE_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 def metric(snap: dict | None, name: str) -> float:
     return sum((snap or {}).get(name, {}).values())
+
+
+async def wait_until_idle(session: aiohttp.ClientSession, base_url: str, timeout: float = 60.0) -> bool:
+    """Polls ``/metrics`` until vLLM's ``num_requests_running`` and ``num_requests_waiting`` read 0 (the
+    requests whose clients went away are aborted once the server notices); False after ``timeout`` seconds or
+    where the server does not export them."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snap = await tp.fetch_metrics(session, base_url, IDLE_METRICS)
+        if snap is not None and all(m in snap and metric(snap, m) == 0 for m in IDLE_METRICS):
+            return True
+        await asyncio.sleep(0.5)
+    return False
 
 
 async def soak(args, base_url: str, pgid: int | None) -> tuple[dict, list[tuple[dict, str]]]:
@@ -168,7 +184,10 @@ async def soak(args, base_url: str, pgid: int | None) -> tuple[dict, list[tuple[
     ps = prompts(args.prompts_per_task)
     url = base_url + "/v1/chat/completions"
     timeout = aiohttp.ClientTimeout(total=max(600.0, args.duration))
-    conn = aiohttp.TCPConnector(limit=args.concurrency + 4)
+    # a connection per request: a kept-alive one can be closed by the server (uvicorn closes one idle for 5 s)
+    # while the next request is being written ("Can not write request body"): a client-side race, not the
+    # server's fault, which made this check fail on a loaded machine
+    conn = aiohttp.TCPConnector(limit=args.concurrency + 4, force_close=True)
     counts = {"requests": 0, "completed": 0, "disconnected": 0, "errors": 0}
     errors: list[str] = []
     greedy: dict[str, tuple[dict, str]] = {}
@@ -208,11 +227,13 @@ async def soak(args, base_url: str, pgid: int | None) -> tuple[dict, list[tuple[
         seconds = time.monotonic() - t0
         end = rss_mib(pgid)
         mem["end"] = end["total"] if end else None
-        # one probe request, then the drafter's per-request state (only the probe's may remain)
+        # once the server holds no request (a disconnected one is aborted when the server notices), one probe
+        # request, then the drafter's per-request state (only the probe's may remain)
+        idle = await wait_until_idle(session, base_url)
         await complete(session, url, payload(model, ps[0][1], {"temperature": 0}, 4, seed=0))
         after = await tp.fetch_metrics(session, base_url, METRIC_PREFIXES)
     report = {
-        **counts, "error_messages": errors, "seconds": round(seconds, 1),
+        **counts, "error_messages": errors, "seconds": round(seconds, 1), "idle_after_load": idle,
         "requests_with_state_after": metric(after, "vllm:entmtp_requests_with_state"),
         "preemptions": metric(after, "vllm:num_preemptions_total") - metric(before, "vllm:num_preemptions_total"),
         "fallbacks": metric(after, "vllm:entmtp_fallbacks_total") - metric(before, "vllm:entmtp_fallbacks_total"),
@@ -230,7 +251,8 @@ async def check_greedy(base_url: str, done: list[tuple[dict, str]], no_draft: bo
     url = base_url + "/v1/chat/completions"
     mismatches = []
     gate = asyncio.Semaphore(concurrency)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                     connector=aiohttp.TCPConnector(force_close=True)) as session:
         model = await tp.first_model(session, base_url)
 
         async def one(body: dict, text: str) -> None:
@@ -283,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in report.items() if k not in ("config", "machine")}, indent=1))
     if args.result_json:
         args.result_json.write_text(json.dumps(report, indent=1))
-    return 0 if report["errors"] == 0 and report["greedy_mismatches"] == 0 else 1
+    ok = (report["errors"] == 0 and report["greedy_mismatches"] == 0 and report["idle_after_load"]
+          and report["requests_with_state_after"] <= 1)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -121,6 +121,7 @@ def test_a_minute_of_soak_with_disconnects_and_preemption(server, tmp_path):
                     "--reference", "no-draft", "--result-json", str(out)])
     r = json.loads(out.read_text())
     assert r["errors"] == 0, r["error_messages"]
+    assert r["idle_after_load"], r  # every disconnected request was aborted
     assert r["completed"] >= 30 and r["disconnected"] >= 10, r
     assert r["greedy_checked"] >= 8 and r["greedy_mismatches"] == 0, r["mismatched"]
     assert r["requests_with_state_after"] <= 1  # the probe's own, at most

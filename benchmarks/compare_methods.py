@@ -35,7 +35,7 @@ def is_entmtp(spec: dict | None) -> bool:
 
 def method_order(tasks=TASKS) -> list[str]:
     return [*PLAIN_METHODS, "ngram", "vllm-medusa", "medusa-tree", "hydra-tree", "entmtp", "entmtp-heads",
-            *(f"static-{t}" for t in STATIC_TREES), *(f"entmtp-{t}" for t in tasks if t in TUNED_TASKS)]
+            "entmtp-no-draft", *(f"static-{t}" for t in STATIC_TREES), *(f"entmtp-{t}" for t in tasks if t in TUNED_TASKS)]
 
 
 def method_table(heads: dict, tree_sets: dict, preferred_kinds=("hydra", "medusa")
@@ -76,6 +76,10 @@ def method_table(heads: dict, tree_sets: dict, preferred_kinds=("hydra", "medusa
         "by its schedule's signal", None if kind else f"no heads are shipped for {SERVED_MODEL_NAME}")
     add("entmtp-heads", {"method": "entmtp", "draft_sources": "heads"}, "entmtp defaults, drafts from the MTP "
         "heads only (no prompt lookup)", None if kind else f"no heads are shipped for {SERVED_MODEL_NAME}")
+    add("entmtp-no-draft", {"method": "entmtp", "load_policy": "cap", "max_verify_tokens_per_step": 1},
+        "entmtp defaults but a cap of one verified row a request-step: nothing is drafted (what vLLM's "
+        "speculative mode and the plugin's per-step work cost)", None if kind else
+        f"no heads are shipped for {SERVED_MODEL_NAME}")
     for tree_id in STATIC_TREES:
         add(f"static-{tree_id}", {"method": "entmtp", "policy": "static", "tree_set": "default",
                                   "tree_id": tree_id},

@@ -66,6 +66,25 @@ def summarize(records: list[dict], concurrency: int) -> dict:
                           for p in PHASES + SUB_PHASES}}
 
 
+def time_split(records: list[dict], wall: float, concurrency: int) -> dict:
+    """Where the run's wall time went: ``{kind: {"steps": n, "s": seconds}}`` for engine steps with prompt tokens
+    (``prefill``), decode steps of ``concurrency`` requests with and without draft tokens, other decode steps
+    (fewer requests), and ``outside`` (the wall time outside ``EngineCore.step``: the LLM's own input and
+    output processing)."""
+    out = {k: {"steps": 0, "s": 0.0} for k in ("prefill", "decode_drafting", "decode_no_draft", "decode_fewer")}
+    for r in records:
+        if r.get("rows", 0) != r.get("reqs", 0) + r.get("spec", 0):
+            key = "prefill"
+        elif r.get("reqs") != concurrency:
+            key = "decode_fewer"
+        else:
+            key = "decode_drafting" if r.get("spec") else "decode_no_draft"
+        out[key]["steps"] += 1
+        out[key]["s"] += r.get("step", 0.0)
+    out["outside"] = {"steps": 0, "s": wall - sum(v["s"] for v in out.values())}
+    return {k: {"steps": v["steps"], "s": round(v["s"], 3)} for k, v in out.items()}
+
+
 def split_methods(text: str) -> list[str]:
     """``--methods`` split at the commas outside JSON objects and strings: ``plain,x={"a": 1, "b": 2}`` gives
     ``["plain", 'x={"a": 1, "b": 2}']``."""
@@ -179,7 +198,7 @@ def _profile(method: str, spec: dict | None, args) -> dict:
     wall = time.perf_counter() - t0
     return {"method": method, "spec": spec, "concurrency": args.concurrency, "eager": args.eager,
             "tokens_per_s": round(n_out / wall, 3), "output_tokens": n_out, "steps": len(records),
-            **summarize(records, args.concurrency)}
+            "time_split": time_split(records, wall, args.concurrency), **summarize(records, args.concurrency)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         if proc.returncode != 0 or line is None:
             sys.exit(f"{name}: the engine failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         results.append(json.loads(line.split(" ", 1)[1]))
-        print(f"{name}: {results[-1]['tokens_per_s']:.2f} tokens/s, {results[-1]['decode_steps']} decode steps",
-              flush=True)
+        split = ", ".join(f"{k} {v['s']:.2f} s" + (f" ({v['steps']} steps)" if k != "outside" else "")
+                          for k, v in results[-1]["time_split"].items())
+        print(f"{name}: {results[-1]['tokens_per_s']:.2f} tokens/s, {results[-1]['decode_steps']} decode steps; "
+              f"{split}", flush=True)
     text = (f"{args.prompt_set}, {args.num_prompts} prompts x {args.max_tokens} tokens, concurrency "
             f"{args.concurrency}, {'eager' if args.eager else 'compiled'}, {args.dtype}; median ms per decode step\n\n"
             + format_table(results))

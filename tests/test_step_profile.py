@@ -50,3 +50,15 @@ def test_methods_split_outside_json():
     assert sp.split_methods(f"plain,n1={spec},ngram") == ["plain", f"n1={spec}", "ngram"]
     assert sp.split_methods('x={"a": [1, 2], "s": "1,2"}') == ['x={"a": [1, 2], "s": "1,2"}']
     assert sp.split_methods('x={"s": "say \\"a,b\\""},y') == ['x={"s": "say \\"a,b\\""}', "y"]
+
+
+def test_time_split_sorts_every_step_by_kind_and_keeps_the_rest_outside():
+    recs = [_rec(2, 300, 0, step=900.0),   # prompt tokens
+            _rec(2, 2, 0, step=40.0),    # two requests decode, nothing drafted
+            _rec(2, 5, 3, step=60.0),    # two requests decode with three draft tokens
+            _rec(1, 2, 1, step=30.0)]    # one request left
+    t = sp.time_split(recs, 1.5, 2)
+    assert {k: v["steps"] for k, v in t.items()} == {"prefill": 1, "decode_drafting": 1, "decode_no_draft": 1,
+                                                      "decode_fewer": 1, "outside": 0}
+    assert t["prefill"]["s"] == pytest.approx(0.9) and t["decode_drafting"]["s"] == pytest.approx(0.06)
+    assert t["outside"]["s"] == pytest.approx(1.5 - 0.9 - 0.04 - 0.06 - 0.03)

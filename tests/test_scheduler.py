@@ -470,6 +470,21 @@ def test_drafting_is_measured_again_where_it_does_not_pay():
     assert s.drafting_pays(1, c)
 
 
+def test_an_exploring_step_drafts_from_32_requests_on_too():
+    """The drafter explores with the schedule under the default cap (no costs); from 32 requests on the cap leaves
+    no draft node, so the exploring budget keeps room for the ladder's smallest tree: something is drafted, and
+    measured."""
+    s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
+    smallest = min(t.num_nodes for t in s.ladder if t is not None)
+    for n, room in ((1, 31), (16, 16), (32, smallest), (40, smallest)):
+        assert s.exploring_budget(n) == room
+        rids = [f"x{n}-{i}" for i in range(n)]
+        out = s.choose(rids, [conf(0.9)] * n, s.exploring_budget(n), None)
+        drafted = [t for _, t in out if t is not None]
+        assert drafted and sum(t.num_nodes for t in drafted) <= room, (n, out)
+    assert s.choose([f"y{i}" for i in range(32)], [conf(0.9)] * 32, 0, None) == [(None, None)] * 32  # the cap alone
+
+
 def test_measured_rule_learns_how_each_requests_drafts_fare():
     """Two equally confident requests; one has accepted a fifth of what the calibration expected of its drafts:
     at a load where a draft pays only at the calibrated acceptance, that one stops drafting and the other keeps

@@ -401,9 +401,10 @@ class EntMTPProposer(MedusaProposer):
             drafts = [[] for _ in req_ids]
         else:
             signals = self.tracker.signals_batch(req_ids)
-            # exploring: the schedule's choice under the default cap, as before the costs were measured
-            choices = self.scheduler.choose(req_ids, signals, self.scheduler.node_budget(n),
-                                            None if explore else costs)
+            # exploring: the schedule's choice under the default cap (at least one small tree), as before the costs
+            # were measured
+            budget = self.scheduler.exploring_budget(n) if explore else self.scheduler.node_budget(n)
+            choices = self.scheduler.choose(req_ids, signals, budget, None if explore else costs)
             forced_at = [f is not None for f in forced]
             for i, f in enumerate(forced):
                 if f is not None:

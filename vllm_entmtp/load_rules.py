@@ -140,6 +140,13 @@ class LoadRules:
             return None
         return node_budget(batch_size, self.max_verify_tokens_per_step)
 
+    def exploring_budget(self, batch_size: int) -> int:
+        """Draft nodes a step that drafts to measure drafting again may carry (:meth:`StepCosts.needs_exploration
+        <vllm_entmtp.step_costs.StepCosts.needs_exploration>`): the default cap's, and at least the ladder's
+        smallest tree, as from 32 requests on the cap leaves none."""
+        smallest = min((n for n in self._nodes if n > 0), default=0)
+        return max(node_budget(batch_size, DEFAULT_MAX_VERIFY_TOKENS), smallest)
+
     # -- measured step costs (load policy "measured") ---------------------------------------------------------
 
     def _curve(self, costs: StepCosts, batch_size: int, max_nodes: int) -> list[float] | None:

@@ -26,7 +26,8 @@ pays, the heads never ran again, so the estimate never changed and the server dr
 * the first observation of a row count or a batch size is dropped when the second arrives (it carries one-time
   costs: kernels built for a new shape, memory first touched); alone, it stands;
 * where drafting does not pay, every :data:`PROBE_EVERY` such steps of a batch size the drafter drafts anyway
-  (:meth:`StepCosts.needs_exploration`, under the default cap of verified rows), so that the drafting time and the
+  (:meth:`StepCosts.needs_exploration`, under the default cap of verified rows, or the ladder's smallest tree
+  where the cap leaves no room), so that the drafting time and the
   draft rows' costs are measured again.
 """
 from __future__ import annotations
@@ -50,7 +51,7 @@ class StepCosts:
         self._rows: dict[int, deque] = {}
         self._draft: dict[int, deque] = {}
         self._since_probe: dict[int, int] = {}
-        self._since_draft: dict[int, int] = {}  # steps of a batch size whose drafts did not pay since one drafted
+        self._since_draft: dict[int, int] = {}  # steps of a batch size in which no draft paid, since it explored
         self._seen: dict[tuple[str, int], int] = {}  # observations so far per (kind, key)
         self._med: dict[int, float] | None = None  # medians by row count, cached until the next observation
         self.probes = 0

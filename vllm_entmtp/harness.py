@@ -289,12 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     ``concurrency`` ignored; one with ``requests`` runs :func:`generate_requests`; ``faults`` are installed in
     the workers for that phase only, :func:`install_faults`).
     OUT: ``{phase name: generate_chat(...) result + "tree_stats", "entmtp_metrics", "engine" (engine_counters,
-    cumulative), "drafts_in_output" (:data:`vllm_entmtp.patches.drafts_in_output.COUNTS`, cumulative: an
-    engine core in this process only)}``; spec counters are per phase (differences).
+    cumulative)}``; spec counters are per phase (differences).
     """
     import sys
-
-    from vllm_entmtp.patches import drafts_in_output
 
     args = sys.argv[1:] if argv is None else argv
     job_path, out_path = args
@@ -334,7 +331,6 @@ def main(argv: list[str] | None = None) -> int:
         r["tree_stats"] = tree_stats(llm)
         r["entmtp_metrics"] = entmtp_counters(llm)
         r["engine"] = engine_counters(llm)
-        r["drafts_in_output"] = dict(drafts_in_output.COUNTS)  # cumulative; an in-process engine core's only
         results[phase["name"]] = r
     dump(results, out_path)
     return 0

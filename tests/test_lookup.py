@@ -73,6 +73,20 @@ def test_lookup_wins_where_it_expects_more_than_the_heads_draft():
     assert got == [0, 2]
 
 
+def test_lookup_drafts_stay_within_the_cap_of_verified_rows():
+    """max_verify_tokens_per_step bounds every draft node of a step, the lookup's too: requests switch in order
+    of tokens gained per row added while the step's nodes fit; with no room, none that adds a node; a switch that
+    adds none always fits."""
+    s = TreeScheduler(load_tree_set("default"), "confidence", load_policy="cap")
+    cands = {0: (4, 2.0), 1: (4, 3.0), 2: (2, 1.5)}  # gains per row added: 0.5, 0.83, 1.0
+    nodes, acc = [1, 1, 1], [0.5, 0.5, 0.5]
+    assert s.fit_lookup(3, nodes, acc, cands, None) == [0, 1, 2]  # no cap
+    assert s.fit_lookup(3, nodes, acc, cands, None, budget=5) == [2]  # 3 -> 4 nodes; request 1 would make 7
+    assert s.fit_lookup(3, nodes, acc, cands, None, budget=7) == [1, 2]  # 4, then 7; request 0 would make 10
+    assert s.fit_lookup(3, [0, 0, 0], [0.0] * 3, cands, None, budget=0) == []
+    assert s.fit_lookup(2, [4, 0], [1.0, 0.0], {0: (4, 2.0)}, None, budget=0) == [0]  # 4 nodes for 4
+
+
 def test_under_measured_costs_a_lookup_draft_must_pay_for_its_rows():
     s = _measured_scheduler()
     cands = {i: (4, 0.3) for i in range(16)}  # weak lookup drafts, no heads drafts

@@ -470,6 +470,38 @@ def test_drafting_is_measured_again_where_it_does_not_pay():
     assert s.drafting_pays(1, c)
 
 
+def test_the_heads_stop_where_their_realised_yield_is_below_plain_decodings():
+    """At 16 requests the calibration's best acceptance says drafting can pay, but the steps that ran the heads got
+    1 accepted token for 5 ms they added (200 tokens/s) against the plain step's 16 in 30 ms (533 tokens/s): no
+    draft pays there once 8 such steps are measured, and at one request (1.5 tokens for 2.5 ms) it does."""
+    from vllm_entmtp.step_costs import YIELD_MIN_STEPS, StepCosts
+
+    s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
+    c = StepCosts()
+    for rows, t in ((1, 0.025), (5, 0.0255), (16, 0.030), (32, 0.0305), (80, 0.060)):
+        for _ in range(3):
+            c.record_rows(rows, t)
+    c.record_draft(16, 0.002)
+    c.record_draft(1, 0.002)
+    assert s.drafting_pays(16, c) and c.heads_yield(16) is None
+    c.record_heads_yield(16, 0, 0.300)  # a first step's one-time costs: dropped when the second comes
+    for _ in range(YIELD_MIN_STEPS - 1):
+        c.record_heads_yield(16, 1, 0.005)
+        assert s.drafting_pays(16, c)  # not yet judged
+    c.record_heads_yield(16, 1, 0.005)
+    assert c.heads_yield(16) == pytest.approx(200.0) and not s.drafting_pays(16, c)
+    assert c.summary()["heads_yield"] == {16: 200.0}
+    for _ in range(YIELD_MIN_STEPS):
+        c.record_heads_yield(1, 1.5, 0.0025)
+    assert s.drafting_pays(1, c)
+    # a batch size near 16 reads 16's yield (continuous batching moves it by a few requests), a far one does not
+    assert c.heads_yield(14) == c.heads_yield(18) == pytest.approx(200.0)
+    assert c.heads_yield(3) == c.heads_yield(1) and c.heads_yield(8) is None and c.heads_yield(40) is None
+    for _ in range(16):  # the heads fare better at 16 in later steps (exploring): drafting pays again
+        c.record_heads_yield(16, 4, 0.005)
+    assert s.drafting_pays(16, c)
+
+
 def test_an_exploring_step_drafts_from_32_requests_on_too():
     """The drafter explores with the schedule under the default cap (no costs); from 32 requests on the cap leaves
     no draft node, so the exploring budget keeps room for the ladder's smallest tree: something is drafted, and

@@ -74,6 +74,8 @@ class EntMTPProposer(MedusaProposer):
 
     runner = None  # set by the runner patch
     heads_ran = True  # whether this step's drafting ran the heads (its time is the heads' drafting cost)
+    _heads_nodes: tuple[int, int] | None = None  # this step: the heads' draft nodes, and all draft nodes
+    _heads_step: tuple[int, float] | None = None  # last step that ran the heads: (batch size, seconds they added)
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         spec = self.spec_config
@@ -373,13 +375,15 @@ class EntMTPProposer(MedusaProposer):
         costs = self.step_costs
         free = all(f is None for f in forced)
         probe = costs is not None and free and costs.needs_probe(n)
-        lookups = {} if probe or self.lookup is None else self._lookup_drafts(req_ids, budgets, active, forced)
+        budget = self.scheduler.node_budget(n)  # draft nodes of the step in all, heads' and lookup's (None: no cap)
+        lookups = {} if probe or self.lookup is None or budget == 0 else self._lookup_drafts(req_ids, budgets,
+                                                                                              active, forced)
         heads_only_lookup = self.spec_config.entmtp.draft_sources == "lookup"
         sure = {i for i, toks in lookups.items()  # lookup drafts no heads' draft could beat
                 if heads_only_lookup or self.lookup.expected(req_ids[i], len(toks))
                 >= self.scheduler.best_expected(req_ids[i])}
         want_heads = [i for i in range(n) if budgets[i] > 0 and (active is None or active[i]) and i not in sure]
-        skip = probe or heads_only_lookup or not want_heads
+        skip = probe or heads_only_lookup or not want_heads or (budget == 0 and free)  # budget 0: no room
         explore = False  # no draft pays on the costs measured, but drafting is measured again (StepCosts)
         if not skip and costs is not None and free and not self.scheduler.drafting_pays(n, costs):
             explore = costs.needs_exploration(n)
@@ -403,7 +407,8 @@ class EntMTPProposer(MedusaProposer):
             signals = self.tracker.signals_batch(req_ids)
             # exploring: the schedule's choice under the default cap (at least one small tree), as before the costs
             # were measured
-            budget = self.scheduler.exploring_budget(n) if explore else self.scheduler.node_budget(n)
+            if explore:
+                budget = self.scheduler.exploring_budget(n)
             choices = self.scheduler.choose(req_ids, signals, budget, None if explore else costs)
             forced_at = [f is not None for f in forced]
             for i, f in enumerate(forced):
@@ -419,13 +424,16 @@ class EntMTPProposer(MedusaProposer):
             trees = [None if i in sure else t for i, (_, t) in enumerate(chosen)]
             drafts = self._draft(req_ids, hidden, trees, bonus, state, stops)
         if lookups:
-            chosen, drafts = self._weigh_lookup(req_ids, lookups, sure, chosen, drafts, costs)
+            chosen, drafts = self._weigh_lookup(req_ids, lookups, sure, chosen, drafts, costs, budget)
+        self._heads_nodes = None if skip else (
+            sum(len(d) for (t, _), d in zip(chosen, drafts) if d and t != LOOKUP_ID), sum(len(d) for d in drafts))
         return chosen, drafts
 
     def _update_signals(self, req_ids, active, top1) -> None:
         """The tracker takes the step's signals; last step's drafts are scored (metrics, the measured load rule's
         acceptance record, the prompt lookup's record)."""
         entropy, accepted = STEP.signals
+        heads_accepted = 0  # of the heads' drafts verified this step
         for i, rid in enumerate(req_ids):
             if active is not None and not active[i]:
                 continue  # a prefill chunk: no new token, nothing to learn
@@ -441,8 +449,13 @@ class EntMTPProposer(MedusaProposer):
                 self.lookup.observe(rid, prev[4], acc)
             else:
                 self.tree_stats.record_source("heads", prev[4], acc)
+                heads_accepted += acc
                 if prev[3] is not None:  # the measured load rule learns how this request's drafts fare
                     self.scheduler.observe_acceptance(rid, prev[3], acc)
+        if self._heads_step is not None and self.step_costs is not None and accepted is not None:
+            batch_size, added = self._heads_step
+            self.step_costs.record_heads_yield(batch_size, heads_accepted, added)
+        self._heads_step = None
 
     def _lookup_drafts(self, req_ids, budgets, active, forced) -> dict[int, list[int]]:
         """Prompt-lookup drafts of the requests that may draft a chain (not those a request holds to a tree)."""
@@ -458,13 +471,14 @@ class EntMTPProposer(MedusaProposer):
             fault(self, "draft", [req_ids[i] for i in rows], e)
             return {}
 
-    def _weigh_lookup(self, req_ids, lookups, sure, chosen, drafts, costs):
-        """Each request's draft source: its lookup chain where :meth:`TreeScheduler.fit_lookup` says so."""
+    def _weigh_lookup(self, req_ids, lookups, sure, chosen, drafts, costs, budget):
+        """Each request's draft source: its lookup chain where :meth:`TreeScheduler.fit_lookup` says so, within
+        ``budget`` draft nodes in all (None: no cap)."""
         nodes = [len(d) for d in drafts]
         acc = [self.scheduler.chosen_expected(rid, t if d else None) if i not in sure else 0.0
                for i, (rid, (_, t), d) in enumerate(zip(req_ids, chosen, drafts))]
         cands = {i: (len(toks), self.lookup.expected(req_ids[i], len(toks))) for i, toks in lookups.items()}
-        switch = set(self.scheduler.fit_lookup(len(req_ids), nodes, acc, cands, costs))
+        switch = set(self.scheduler.fit_lookup(len(req_ids), nodes, acc, cands, costs, budget))
         chosen, drafts = list(chosen), list(drafts)
         num_tokens = self.runner.input_batch.num_tokens_no_spec
         for i in lookups:
@@ -499,8 +513,21 @@ class EntMTPProposer(MedusaProposer):
             hidden = prefix_layer_hidden(self.runner, hidden_states, sampled_token_ids, spec_decode_metadata)
         drafts = self.propose(scheduler_output.num_spec_tokens_to_schedule, hidden, None, active=active,
                               bonus=bonus)
-        if self.step_costs is not None and any(drafts) and self.heads_ran:
-            self.step_costs.record_draft(n, time.perf_counter() - t0)
+        costs = self.step_costs
+        if costs is not None and self.heads_ran:
+            seconds = time.perf_counter() - t0
+            if any(drafts):
+                costs.record_draft(n, seconds)
+            # the heads' yield: their drafting and their rows' share of the step, against their accepted draft
+            # tokens (scored next step, in _update_signals; none where the schedule drafted nothing from them)
+            heads, total = self._heads_nodes or (0, 0)
+            rows = costs.curve(n + total - heads, heads) if self._heads_nodes is not None else None
+            if rows is not None:
+                added = seconds + max(rows[-1] - rows[0], 0.0)
+                if heads:
+                    self._heads_step = (n, added)
+                else:
+                    costs.record_heads_yield(n, 0, added)
         return drafts
 
     def free_missing(self, live_req_ids) -> None:

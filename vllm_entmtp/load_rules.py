@@ -42,8 +42,8 @@ The two older rules, applied in this order:
 Prompt lookup (``draft_sources`` ``"hybrid"``; :mod:`vllm_entmtp.lookup`): :meth:`LoadRules.fit_lookup` gives a
 request its lookup chain instead of the heads' draft where the lookup expects at least as many accepted tokens
 (its own record of lookup drafts against the calibration's expectation for the heads' choice, scaled by the
-request's acceptance record), and under measured costs only while that keeps the step's tokens per second
-from falling. :meth:`LoadRules.best_expected` lets the drafter skip the heads for requests whose lookup draft
+request's acceptance record), within the cap of verified rows (rule 2) where one applies, and under measured
+costs only while that keeps the step's tokens per second from falling. :meth:`LoadRules.best_expected` lets the drafter skip the heads for requests whose lookup draft
 no heads' draft could beat.
 """
 from __future__ import annotations
@@ -156,8 +156,11 @@ class LoadRules:
     def drafting_pays(self, batch_size: int, costs: StepCosts) -> bool:
         """Whether any draft can raise this batch's tokens per second at the best acceptance the calibration
         knows: ``k`` requests (any ``k``) drafting one tree of the ladder each at its best calibration bin's
-        expected accepted tokens, against a step without drafts, drafting time included. False: skip the heads
-        for this step. True when the costs are not measured enough to say."""
+        expected accepted tokens, against a step without drafts, drafting time included; and, once measured,
+        the heads' realised yield at this batch size (accepted draft tokens per second they added to the step,
+        :meth:`StepCosts.heads_yield <vllm_entmtp.step_costs.StepCosts.heads_yield>`) must beat the plain step's
+        tokens per second. False: skip the heads for this step. True when the costs are not measured enough to
+        say."""
         if not self.measured or batch_size < 1:
             return True
         k_max = max((n for n in self._nodes), default=0)
@@ -166,6 +169,10 @@ class LoadRules:
             return True
         d = costs.draft_time(batch_size)
         plain = batch_size / curve[0]
+        realised = costs.heads_yield(batch_size)
+        if realised is not None and realised <= plain:  # the heads, as they have fared at this batch size
+            self.stats.not_paying += 1
+            return False
         for b, n in enumerate(self._nodes):
             if n == 0:
                 continue
@@ -267,7 +274,7 @@ class LoadRules:
         return e * self.acceptance_ratio(req_id)
 
     def fit_lookup(self, batch_size: int, nodes: list[int], acc: list[float], cands: dict[int, tuple[int, float]],
-                   costs: StepCosts | None) -> list[int]:
+                   costs: StepCosts | None, budget: int | None = None) -> list[int]:
         """Which requests draft their prompt-lookup chain instead of the heads' draft.
 
         Args:
@@ -275,17 +282,20 @@ class LoadRules:
             nodes, acc: per request, the draft nodes and expected accepted tokens of the heads' choice (0, 0: none).
             cands: request index -> (tokens, expected accepted tokens) of its lookup draft.
             costs: measured step costs (load policy ``"measured"``), or None.
+            budget: the draft nodes the step may carry in all (:meth:`node_budget`: the cap of verified rows
+                less one root per request); None: no cap.
 
-        A lookup draft replaces the heads' where it expects at least as many accepted tokens; under measured
-        costs, requests switch in order of expected tokens gained per row added, and only while the switch keeps
-        the step's expected tokens per second (:class:`~vllm_entmtp.step_costs.StepCosts`) from falling.
+        A lookup draft replaces the heads' where it expects at least as many accepted tokens; requests switch in
+        order of expected tokens gained per row added, while the step's draft nodes stay within ``budget`` and,
+        under measured costs, while the switch keeps the step's expected tokens per second
+        (:class:`~vllm_entmtp.step_costs.StepCosts`) from falling.
         """
         better = [i for i, (n, e) in cands.items() if e > 0 and e >= acc[i]]
         curve = None
         if costs is not None and self.measured and better:
             extra = sum(cands[i][0] for i in better)
             curve = self._curve(costs, batch_size, sum(nodes) + extra)
-        if curve is None:
+        if curve is None and budget is None:
             return sorted(better)
         total, tokens = sum(nodes), batch_size + sum(acc)
         better.sort(key=lambda i: -(cands[i][1] - acc[i]) / max(cands[i][0] - nodes[i], 0.5))
@@ -293,7 +303,9 @@ class LoadRules:
         for i in better:
             n, e = cands[i]
             t_new, n_new = tokens - acc[i] + e, total - nodes[i] + n
-            if t_new / curve[n_new] >= tokens / curve[total]:
+            if budget is not None and n_new > max(budget, total):
+                continue  # past the cap (a switch that adds no node always fits)
+            if curve is None or t_new / curve[n_new] >= tokens / curve[total]:
                 out.append(i)
                 tokens, total = t_new, n_new
         return sorted(out)

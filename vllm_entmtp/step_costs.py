@@ -29,6 +29,15 @@ pays, the heads never ran again, so the estimate never changed and the server dr
   (:meth:`StepCosts.needs_exploration`, under the default cap of verified rows, or the ladder's smallest tree
   where the cap leaves no room), so that the drafting time and the
   draft rows' costs are measured again.
+
+The heads' realised yield: the rule above judges a batch size by the calibration's best acceptance, so it may
+run the heads every step where the schedule then drafts little from them (2026-12-02, in-process, 32 requests,
+bfloat16: the heads ran every step for 2.1 ms of a 48-ms step while 89-96 % of request-steps drafted nothing).
+:meth:`StepCosts.record_heads_yield` keeps, per batch size, what each step in which the heads ran got from them
+(their accepted draft tokens, known one step later) against what they added to it (drafting, and their rows);
+where that yield (:meth:`StepCosts.heads_yield`) is below the plain step's tokens per second, drafting does not
+pay at that batch size (:meth:`~vllm_entmtp.load_rules.LoadRules.drafting_pays`), and the heads run again only
+in the exploring steps above.
 """
 from __future__ import annotations
 
@@ -40,6 +49,9 @@ from collections import deque
 WINDOW = 16
 #: A batch size's no-draft time is measured again after this many of its steps.
 PROBE_EVERY = 64
+#: Steps in which the heads ran that are kept per batch size for their yield, and how many it takes to judge it.
+YIELD_WINDOW = 16
+YIELD_MIN_STEPS = 8
 
 
 class StepCosts:
@@ -52,6 +64,7 @@ class StepCosts:
         self._draft: dict[int, deque] = {}
         self._since_probe: dict[int, int] = {}
         self._since_draft: dict[int, int] = {}  # steps of a batch size in which no draft paid, since it explored
+        self._yield: dict[int, deque] = {}  # per batch size: (accepted heads tokens, extra seconds) a heads step
         self._seen: dict[tuple[str, int], int] = {}  # observations so far per (kind, key)
         self._med: dict[int, float] | None = None  # medians by row count, cached until the next observation
         self.probes = 0
@@ -71,11 +84,30 @@ class StepCosts:
         if batch_size >= 1 and seconds > 0:
             self._add(self._draft, "draft", batch_size, seconds)
 
-    def _add(self, table: dict[int, deque], kind: str, key: int, seconds: float) -> None:
+    def record_heads_yield(self, batch_size: int, accepted: int, seconds: float) -> None:
+        """A step of ``batch_size`` requests in which the heads ran: ``accepted`` of their draft tokens were accepted
+        (bonus tokens excluded; 0 where the schedule then drafted nothing from them), at ``seconds`` of step time
+        the heads added (drafting, and the rows of their draft tokens)."""
+        if batch_size >= 1 and seconds > 0:
+            self._add(self._yield, "yield", batch_size, (float(accepted), seconds), window=YIELD_WINDOW)
+
+    def heads_yield(self, batch_size: int) -> float | None:
+        """Accepted heads' draft tokens per second of step time the heads added, at ``batch_size`` requests: the
+        mean accepted over the median seconds of the last :data:`YIELD_WINDOW` steps in which the heads ran, at
+        the nearest batch size with :data:`YIELD_MIN_STEPS` of them within a quarter of ``batch_size`` (at least
+        2: under continuous batching the batch size moves by a few requests from step to step); None without."""
+        near = [b for b, obs in self._yield.items()
+                if len(obs) >= YIELD_MIN_STEPS and abs(b - batch_size) <= max(2, batch_size // 4)]
+        if not near:
+            return None
+        obs = self._yield[min(near, key=lambda b: (abs(b - batch_size), -b))]
+        return statistics.mean(a for a, _ in obs) / statistics.median(t for _, t in obs)
+
+    def _add(self, table: dict[int, deque], kind: str, key: int, seconds, window: int | None = None) -> None:
         """Append an observation; the key's first one is dropped when its second arrives (module docstring)."""
         seen = self._seen.get((kind, key), 0)
         self._seen[(kind, key)] = seen + 1
-        obs = table.setdefault(key, deque(maxlen=self.window))
+        obs = table.setdefault(key, deque(maxlen=window or self.window))
         if seen == 1:
             obs.clear()
         obs.append(seconds)
@@ -160,8 +192,10 @@ class StepCosts:
         return statistics.median(self._draft[near])
 
     def summary(self) -> dict:
-        """For logs and tests: ``{"rows_ms": {R: median ms}, "draft_ms": {B: median ms}, "probes": n,
-        "explorations": n}``."""
+        """For logs and tests: ``{"rows_ms": {R: median ms}, "draft_ms": {B: median ms}, "heads_yield": {B:
+        accepted heads' tokens per second added}, "probes": n, "explorations": n}``."""
         return {"rows_ms": {r: round(1e3 * statistics.median(v), 3) for r, v in sorted(self._rows.items())},
                 "draft_ms": {b: round(1e3 * statistics.median(v), 3) for b, v in sorted(self._draft.items())},
+                "heads_yield": {b: round(y, 1) for b in sorted(self._yield)
+                                if (y := self.heads_yield(b)) is not None},
                 "probes": self.probes, "explorations": self.explorations}

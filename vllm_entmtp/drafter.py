@@ -371,6 +371,7 @@ class EntMTPProposer(MedusaProposer):
         beats what the heads could expect, the heads do not run."""
         top1 = state = None
         n = len(req_ids)
+        self._heads_nodes = None  # set below once this step's drafts are known (a fault on the way leaves None)
         forced = [self._forced_tree(rid) for rid in req_ids]
         costs = self.step_costs
         free = all(f is None for f in forced)
@@ -425,7 +426,8 @@ class EntMTPProposer(MedusaProposer):
             drafts = self._draft(req_ids, hidden, trees, bonus, state, stops)
         if lookups:
             chosen, drafts = self._weigh_lookup(req_ids, lookups, sure, chosen, drafts, costs, budget)
-        self._heads_nodes = None if skip else (
+        # the heads' yield is kept for steps the load rule judges (not those with a request held to a tree)
+        self._heads_nodes = None if skip or not free else (
             sum(len(d) for (t, _), d in zip(chosen, drafts) if d and t != LOOKUP_ID), sum(len(d) for d in drafts))
         return chosen, drafts
 

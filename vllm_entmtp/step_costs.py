@@ -34,10 +34,13 @@ The heads' realised yield: the rule above judges a batch size by the calibration
 run the heads every step where the schedule then drafts little from them (2026-12-02, in-process, 32 requests,
 bfloat16: the heads ran every step for 2.1 ms of a 48-ms step while 89-96 % of request-steps drafted nothing).
 :meth:`StepCosts.record_heads_yield` keeps, per batch size, what each step in which the heads ran got from them
-(their accepted draft tokens, known one step later) against what they added to it (drafting, and their rows);
-where that yield (:meth:`StepCosts.heads_yield`) is below the plain step's tokens per second, drafting does not
-pay at that batch size (:meth:`~vllm_entmtp.load_rules.LoadRules.drafting_pays`), and the heads run again only
-in the exploring steps above.
+(their accepted draft tokens, known one step later) against what they added to it (the drafter's time in that
+step, which also holds prompt lookup and the tracker, so the estimate errs towards stopping the heads, and
+their rows); where that yield (:meth:`StepCosts.heads_yield`) is below the plain step's tokens per second,
+drafting does not pay at that batch size (:meth:`~vllm_entmtp.load_rules.LoadRules.drafting_pays`), and the
+heads run again only in the exploring steps above, whose yields enter the same record (one in 64 steps of a
+batch size: a yield once measured low changes slowly; from about 30 requests an exploring step drafts the
+ladder's smallest tree, so there the heads, once stopped, stay stopped).
 """
 from __future__ import annotations
 
@@ -92,16 +95,17 @@ class StepCosts:
             self._add(self._yield, "yield", batch_size, (float(accepted), seconds), window=YIELD_WINDOW)
 
     def heads_yield(self, batch_size: int) -> float | None:
-        """Accepted heads' draft tokens per second of step time the heads added, at ``batch_size`` requests: the
-        mean accepted over the median seconds of the last :data:`YIELD_WINDOW` steps in which the heads ran, at
-        the nearest batch size with :data:`YIELD_MIN_STEPS` of them within a quarter of ``batch_size`` (at least
-        2: under continuous batching the batch size moves by a few requests from step to step); None without."""
+        """Accepted heads' draft tokens per second of step time the heads added, at ``batch_size`` requests: their
+        sum over the last :data:`YIELD_WINDOW` steps in which the heads ran over those steps' added seconds, at the
+        nearest batch size with :data:`YIELD_MIN_STEPS` of them no further than ``max(2, batch_size // 4)`` (under
+        continuous batching the batch size moves by a few requests from step to step); None without."""
         near = [b for b, obs in self._yield.items()
                 if len(obs) >= YIELD_MIN_STEPS and abs(b - batch_size) <= max(2, batch_size // 4)]
-        if not near:
-            return None
-        obs = self._yield[min(near, key=lambda b: (abs(b - batch_size), -b))]
-        return statistics.mean(a for a, _ in obs) / statistics.median(t for _, t in obs)
+        return self._own_yield(min(near, key=lambda b: (abs(b - batch_size), -b))) if near else None
+
+    def _own_yield(self, batch_size: int) -> float:
+        obs = self._yield[batch_size]
+        return sum(a for a, _ in obs) / sum(t for _, t in obs)
 
     def _add(self, table: dict[int, deque], kind: str, key: int, seconds, window: int | None = None) -> None:
         """Append an observation; the key's first one is dropped when its second arrives (module docstring)."""
@@ -196,6 +200,6 @@ class StepCosts:
         accepted heads' tokens per second added}, "probes": n, "explorations": n}``."""
         return {"rows_ms": {r: round(1e3 * statistics.median(v), 3) for r, v in sorted(self._rows.items())},
                 "draft_ms": {b: round(1e3 * statistics.median(v), 3) for b, v in sorted(self._draft.items())},
-                "heads_yield": {b: round(y, 1) for b in sorted(self._yield)
-                                if (y := self.heads_yield(b)) is not None},
+                "heads_yield": {b: round(self._own_yield(b), 1) for b in sorted(self._yield)
+                                if len(self._yield[b]) >= YIELD_MIN_STEPS},
                 "probes": self.probes, "explorations": self.explorations}

@@ -35,7 +35,8 @@ def is_entmtp(spec: dict | None) -> bool:
 
 def method_order(tasks=TASKS) -> list[str]:
     return [*PLAIN_METHODS, "ngram", "vllm-medusa", "medusa-tree", "hydra-tree", "entmtp", "entmtp-heads",
-            "entmtp-no-draft", *(f"static-{t}" for t in STATIC_TREES), *(f"entmtp-{t}" for t in tasks if t in TUNED_TASKS)]
+            "entmtp-no-draft", *(f"static-{t}" for t in STATIC_TREES),
+            *(f"entmtp-{t}" for t in tasks if t in TUNED_TASKS)]
 
 
 def method_table(heads: dict, tree_sets: dict, preferred_kinds=("hydra", "medusa")

@@ -522,14 +522,15 @@ class EntMTPProposer(MedusaProposer):
                 costs.record_draft(n, seconds)
             # the heads' yield: their drafting and their rows' share of the step, against their accepted draft
             # tokens (scored next step, in _update_signals; none where the schedule drafted nothing from them)
-            heads, total = self._heads_nodes or (0, 0)
-            rows = costs.curve(n + total - heads, heads) if self._heads_nodes is not None else None
-            if rows is not None:
-                added = seconds + max(rows[-1] - rows[0], 0.0)
-                if heads:
-                    self._heads_step = (n, added)
-                else:
-                    costs.record_heads_yield(n, 0, added)
+            if self._heads_nodes is not None:
+                heads, total = self._heads_nodes
+                rows = costs.curve(n + total - heads, heads)
+                if rows is not None:
+                    added = seconds + max(rows[-1] - rows[0], 0.0)
+                    if heads:
+                        self._heads_step = (n, added)
+                    else:
+                        costs.record_heads_yield(n, 0, added)
         return drafts
 
     def free_missing(self, live_req_ids) -> None:

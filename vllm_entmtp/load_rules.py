@@ -43,8 +43,8 @@ Prompt lookup (``draft_sources`` ``"hybrid"``; :mod:`vllm_entmtp.lookup`): :meth
 request its lookup chain instead of the heads' draft where the lookup expects at least as many accepted tokens
 (its own record of lookup drafts against the calibration's expectation for the heads' choice, scaled by the
 request's acceptance record), within the cap of verified rows (rule 2) where one applies, and under measured
-costs only while that keeps the step's tokens per second from falling. :meth:`LoadRules.best_expected` lets the drafter skip the heads for requests whose lookup draft
-no heads' draft could beat.
+costs only while that keeps the step's tokens per second from falling. :meth:`LoadRules.best_expected` lets the
+drafter skip the heads for requests whose lookup draft no heads' draft could beat.
 """
 from __future__ import annotations
 

@@ -53,8 +53,7 @@ from collections import deque
 WINDOW = 16
 #: A batch size's no-draft time is measured again after this many of its steps.
 PROBE_EVERY = 64
-#: Steps in which the heads ran that are kept per batch size for their yield, and how many it takes to judge it.
-YIELD_WINDOW = 16
+#: Steps in which the heads ran that it takes to judge a batch size's yield (of the last :data:`WINDOW` kept).
 YIELD_MIN_STEPS = 8
 
 
@@ -93,11 +92,11 @@ class StepCosts:
         (bonus tokens excluded; 0 where the schedule then drafted nothing from them), at ``seconds`` of step time
         the heads added (drafting, and the rows of their draft tokens)."""
         if batch_size >= 1 and seconds > 0:
-            self._add(self._yield, "yield", batch_size, (float(accepted), seconds), window=YIELD_WINDOW)
+            self._add(self._yield, "yield", batch_size, (float(accepted), seconds))
 
     def heads_yield(self, batch_size: int) -> float | None:
         """Accepted heads' draft tokens per second of step time the heads added, at ``batch_size`` requests: their
-        sum over the last :data:`YIELD_WINDOW` steps in which the heads ran over those steps' added seconds, at the
+        sum over the last :attr:`window` steps in which the heads ran over those steps' added seconds, at the
         nearest batch size with :data:`YIELD_MIN_STEPS` of them no further than ``max(2, batch_size // 4)`` (under
         continuous batching the batch size moves by a few requests from step to step); None without."""
         near = [b for b, obs in self._yield.items()
@@ -108,11 +107,11 @@ class StepCosts:
         obs = self._yield[batch_size]
         return sum(a for a, _ in obs) / sum(t for _, t in obs)
 
-    def _add(self, table: dict[int, deque], kind: str, key: int, seconds, window: int | None = None) -> None:
+    def _add(self, table: dict[int, deque], kind: str, key: int, seconds) -> None:
         """Append an observation; the key's first one is dropped when its second arrives (module docstring)."""
         seen = self._seen.get((kind, key), 0)
         self._seen[(kind, key)] = seen + 1
-        obs = table.setdefault(key, deque(maxlen=window or self.window))
+        obs = table.setdefault(key, deque(maxlen=self.window))
         if seen == 1:
             obs.clear()
         obs.append(seconds)

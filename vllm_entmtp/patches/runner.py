@@ -7,7 +7,7 @@ drafter is not entmtp's runs vLLM's methods unchanged.
 |---|---|
 | ``__init__`` | the ``MedusaProposer`` vLLM built for entmtp's inner method is replaced by :class:`EntMTPProposer`, with a handle on the runner (per-request sampling params), and its rejection sampler may take the all-greedy fast path (:mod:`vllm_entmtp.patches.sampler`); vLLM's own ``medusa`` method keeps its proposer and sampler |
 | ``_prepare_inputs`` | :func:`~vllm_entmtp.step.begin_step`: tree rows get positions root + depth and are recorded for the attention override |
-| ``_sample`` | :func:`~vllm_entmtp.step.verify`: after vLLM's chain sampler, tree requests are verified by a tree walk (greedy) or tree rejection sampling, their accepted path's K/V moves to consecutive slots, and the step's signals are taken |
+| ``_sample`` | a step without draft tokens is sampled by vLLM's sampler as plain decoding samples it, not by its rejection sampler (:func:`~vllm_entmtp.step.with_draft_tokens`); :func:`~vllm_entmtp.step.verify`: after vLLM's chain sampler, tree requests are verified by a tree walk (greedy) or tree rejection sampling, their accepted path's K/V moves to consecutive slots, and the step's signals are taken |
 | ``propose_draft_token_ids`` | :meth:`~vllm_entmtp.drafter.EntMTPProposer.draft_step`: the heads read the last *accepted* node's hidden state |
 
 The attention override is registered here too (``CPU_ATTN`` -> :class:`~vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend`).
@@ -56,11 +56,13 @@ def apply() -> None:
         return out
 
     def _sample(self, logits, spec_decode_metadata):
-        out = orig_sample(self, logits, spec_decode_metadata)
         drafter = entmtp(self)
-        if drafter is not None:
-            step.verify(self, logits, spec_decode_metadata, out,
-                        entropy=None if drafter.tracker is None else drafter.scheduler.policy == "entropy")
+        if drafter is None:
+            return orig_sample(self, logits, spec_decode_metadata)
+        spec_decode_metadata = step.with_draft_tokens(spec_decode_metadata)
+        out = orig_sample(self, logits, spec_decode_metadata)
+        step.verify(self, logits, spec_decode_metadata, out,
+                    entropy=None if drafter.tracker is None else drafter.scheduler.policy == "entropy")
         return out
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,

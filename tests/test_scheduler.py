@@ -166,6 +166,17 @@ def test_budget_steps_down_largest_first_down_to_none():
         s.choose(rids, sig, budget_nodes=-1)
 
 
+def test_requests_skipped_for_their_lookup_draft_take_no_share_of_the_budget():
+    """A request whose prompt-lookup draft wins anyway gets no tree, and the budget goes to the others: before,
+    its tree counted against the cap and was then thrown away, stepping the others down for nothing."""
+    s = TreeScheduler(_set(ENT), "entropy", hysteresis=0.0, warmup_steps=0)
+    rids, sig = ["a", "b", "c"], [ent(0.1), ent(0.7), ent(1.5)]  # big (8), mid (4), small (2)
+    assert ids(s.choose(rids, sig, budget_nodes=10)) == ["mid", "mid", "small"]
+    assert ids(s.choose(rids, sig, budget_nodes=10, skip={0})) == [None, "mid", "small"]
+    assert ids(s.choose(rids, sig, budget_nodes=4, skip={1})) == ["small", None, "small"]
+    assert [s.current_bin(r) for r in rids] == [0, 1, 2]  # skipping moves no bin
+
+
 def test_budget_ties_are_deterministic_later_requests_step_down_first():
     s = TreeScheduler(_set(ENT), "entropy", hysteresis=0.0, warmup_steps=0)
     rids = [f"r{i}" for i in range(4)]

@@ -410,7 +410,9 @@ class EntMTPProposer(MedusaProposer):
             # were measured
             if explore:
                 budget = self.scheduler.exploring_budget(n)
-            choices = self.scheduler.choose(req_ids, signals, budget, None if explore else costs)
+            # the lookup drafts that win anyway take their nodes first; the heads' trees share what is left
+            heads_budget = None if budget is None else max(budget - sum(len(lookups[i]) for i in sure), 0)
+            choices = self.scheduler.choose(req_ids, signals, heads_budget, None if explore else costs, skip=sure)
             forced_at = [f is not None for f in forced]
             for i, f in enumerate(forced):
                 if f is not None:

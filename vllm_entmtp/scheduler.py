@@ -39,7 +39,7 @@ Load: the scheduler's choices are fitted to the batch by the load rules of :mod:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -268,7 +268,7 @@ class TreeScheduler(LoadRules):
         return new
 
     def choose(self, req_ids: Sequence[str], signals: Sequence[Signals],
-               budget_nodes: int | None = None, costs: StepCosts | None = None
+               budget_nodes: int | None = None, costs: StepCosts | None = None, skip: Collection[int] = ()
                ) -> list[tuple[str | None, Tree | None]]:
         """Each request's ``(tree id, tree)`` for this step, or ``(None, None)``: no drafting.
 
@@ -278,6 +278,10 @@ class TreeScheduler(LoadRules):
             budget_nodes: the most draft nodes the batch may carry in all (e.g. :meth:`node_budget`); None:
                 no limit. When the chosen trees exceed it, the request with the largest tree steps down one bin
                 (ties: the later one in ``req_ids``), repeatedly, the last bin stepping to no drafting.
+            costs: measured step costs (load policy ``"measured"``), or None.
+            skip: indices of requests that draft nothing from the heads this step (their prompt-lookup draft
+                wins in any case): their signals still move their bins, but they get no tree and take no part
+                of ``budget_nodes`` (the caller leaves their lookup drafts' nodes out of it).
 
         The cost model (:attr:`cost_model`; module docstring) applies first, for the batch ``req_ids``; under
         the ``"measured"`` load policy, :meth:`_fit_measured` on ``costs`` instead (where ``costs`` has not
@@ -292,6 +296,8 @@ class TreeScheduler(LoadRules):
                                          or budget_nodes < 0):
             raise ValueError(f"budget_nodes must be an int >= 0 or None, got {budget_nodes!r}")
         bins = [self._decide(r, s) for r, s in zip(req_ids, signals)]
+        for i in skip:
+            bins[i] = len(self.ladder)  # past the ladder: no draft (the bin the signal holds is kept)
         if self.cost_model and bins:
             self._fit_cost(bins, [self.calibration_bin(self.signal_value(s)) for s in signals])
         if self.measured and bins:

@@ -73,7 +73,8 @@ class EntMTPProposer(MedusaProposer):
     """
 
     runner = None  # set by the runner patch
-    heads_ran = True  # whether this step's drafting ran the heads (its time is the heads' drafting cost)
+    heads_ran = True  # whether this step's drafting ran the heads
+    heads_seconds = 0.0  # this step: the time the heads' drafting took (confidence, the schedule, the drafts)
     _heads_nodes: tuple[int, int] | None = None  # this step: the heads' draft nodes, and all draft nodes
     _heads_step: tuple[int, float] | None = None  # last step that ran the heads: (batch size, seconds they added)
 
@@ -389,6 +390,7 @@ class EntMTPProposer(MedusaProposer):
         if not skip and costs is not None and free and not self.scheduler.drafting_pays(n, costs):
             explore = costs.needs_exploration(n)
             skip = not explore
+        t_heads = time.perf_counter()
         if skip:
             pass
         elif self.scheduler.policy == "confidence" or self.drafter.confidence_is_free:
@@ -398,8 +400,10 @@ class EntMTPProposer(MedusaProposer):
             else:
                 top1, state = self.drafter.confidence(hidden, bonus, num_heads=k)
             top1 = top1[:, :k].tolist()  # [B, k]
+        heads_seconds = time.perf_counter() - t_heads
         self._update_signals(req_ids, active, top1)
         self.heads_ran = not skip
+        t_heads = time.perf_counter()
         if skip:
             self._choice_signals = [(None, None)] * n
             chosen = [("", None)] * n
@@ -426,6 +430,7 @@ class EntMTPProposer(MedusaProposer):
             # requests that take their lookup draft in any case are not drafted by the heads
             trees = [None if i in sure else t for i, (_, t) in enumerate(chosen)]
             drafts = self._draft(req_ids, hidden, trees, bonus, state, stops)
+            self.heads_seconds = heads_seconds + time.perf_counter() - t_heads
         if lookups:
             chosen, drafts = self._weigh_lookup(req_ids, lookups, sure, chosen, drafts, costs, budget)
         # the heads' yield is kept for steps the load rule judges (not those with a request held to a tree)
@@ -500,7 +505,6 @@ class EntMTPProposer(MedusaProposer):
         """vLLM's ``propose_draft_token_ids`` for entmtp: the heads read each request's hidden state at its last
         *accepted* row (for Hydra++ prefix-mlp heads: the prefix layer's output there, after its per-request
         cache took the step's committed tokens), and the token the target chose after it."""
-        t0 = time.perf_counter()
         n = len(sampled_token_ids)
         if sample_hidden_states.shape[0] == n:
             hidden = sample_hidden_states
@@ -519,7 +523,8 @@ class EntMTPProposer(MedusaProposer):
                               bonus=bonus)
         costs = self.step_costs
         if costs is not None and self.heads_ran:
-            seconds = time.perf_counter() - t0
+            # what drafting from the heads adds to a step that would run prompt lookup and the tracker anyway
+            seconds = self.heads_seconds
             if any(drafts):
                 costs.record_draft(n, seconds)
             # the heads' yield: their drafting and their rows' share of the step, against their accepted draft

@@ -35,9 +35,9 @@ run the heads every step where the schedule then drafts little from them (2026-1
 bfloat16: the heads ran every step for 2.1 ms of a 48-ms step while the schedule drafted 4.4 tokens a step
 from them over the 32 requests).
 :meth:`StepCosts.record_heads_yield` keeps, per batch size, what each step in which the heads ran got from them
-(their accepted draft tokens, known one step later) against what they added to it (the drafter's time in that
-step, which also holds prompt lookup and the tracker, so the estimate errs towards stopping the heads, and
-their rows); where that yield (:meth:`StepCosts.heads_yield`) is below the plain step's tokens per second,
+(their accepted draft tokens, known one step later) against what they added to it (the heads' part of the
+drafter's time: their confidence, the schedule and their drafts, not prompt lookup and the tracker, which run
+in every step; and their rows); where that yield (:meth:`StepCosts.heads_yield`) is below the plain step's tokens per second,
 drafting does not pay at that batch size (:meth:`~vllm_entmtp.load_rules.LoadRules.drafting_pays`), and the
 heads run again only in the exploring steps above, whose yields enter the same record (one in 64 steps of a
 batch size: a yield once measured low changes slowly; from about 30 requests an exploring step drafts the
@@ -85,7 +85,8 @@ class StepCosts:
             self._med = None
 
     def record_draft(self, batch_size: int, seconds: float) -> None:
-        """Drafting for ``batch_size`` requests (signals, heads, scheduler) took ``seconds``."""
+        """Drafting from the heads for ``batch_size`` requests (their confidence, the schedule, their drafts; not
+        prompt lookup and the tracker, which run in every step) took ``seconds``."""
         if batch_size >= 1 and seconds > 0:
             self._add(self._draft, "draft", batch_size, seconds)
 
@@ -171,9 +172,9 @@ class StepCosts:
         of ``rows .. rows + extra``, the curve is the least-squares line through their medians (weighted by their
         observations), never falling, and beyond the largest measured row count no lower than the
         extrapolation below: a draft row then costs the local slope. Interpolating between single medians
-        instead let noise decide (2026-12-02, in-process, 32 requests, bfloat16: medians of 43.8 ms at 32 rows
-        and 47.6 ms at 36 made four draft rows look like 0.95 ms each where the measured slope was about 1.3
-        ms, against 1.4 ms per request's token, and lookup drafts accepting 0.64 tokens a row passed). Otherwise
+        instead let noise decide (2026-12-02, in-process, 32 requests, bfloat16: medians of 49.7, 68.9 and
+        49.5 ms at 36, 37 and 38 rows, so a 37th row cost 19 ms and a 38th saved as much, where a line
+        through the same run's medians from 24 to 43 rows rises 1.1 ms a row). Otherwise
         :meth:`rows_time` point by point: the median, else interpolated between the nearest measured row
         counts, beyond the largest extrapolated no less steeply than the mean time per row."""
         pointwise = self._pointwise(rows, extra)

@@ -443,6 +443,56 @@ def test_step_costs_interpolate_extrapolate_and_probe():
     assert c.summary()["rows_ms"] == {4: 10.0, 8: 20.0} and c.summary()["probes"] == 3
 
 
+def test_a_draft_row_costs_the_local_slope_not_the_step_between_two_noisy_medians():
+    """With three or more measured row counts near the batch, the curve is their least-squares line (weighted by
+    observations, never falling): one noisy median can neither make draft rows free nor dear. With fewer, the
+    medians point by point."""
+    from vllm_entmtp.step_costs import StepCosts
+
+    c = StepCosts()
+    true = {r: 0.010 + 0.001 * r for r in range(28, 41)}  # 1 ms a row
+    noise = {32: -0.004, 33: +0.006, 36: -0.003}  # a low median at 32, a high one at 33, a low one at 36
+    for r, t in true.items():
+        for _ in range(3):
+            c.record_rows(r, t + noise.get(r, 0.0))
+    pointwise = c._pointwise(32, 4)
+    assert pointwise[1] - pointwise[0] == pytest.approx(0.011)  # one row from the medians: 11 ms
+    assert pointwise[4] - pointwise[0] == pytest.approx(0.005)  # four rows: 1.25 ms each
+    curve = c.curve(32, 4)
+    slope = [b - a for a, b in zip(curve, curve[1:])]
+    assert slope == pytest.approx([slope[0]] * 4) and 0.0008 < slope[0] < 0.0012  # about the true 1 ms a row
+    assert c.curve(32, 0) == [pytest.approx(0.038)]  # no draft rows: the median itself
+    sparse = StepCosts()
+    for r, t in ((16, 0.030), (32, 0.050)):
+        sparse.record_rows(r, t)
+    assert sparse.curve(16, 2) == pytest.approx([0.030, 0.03125, 0.0325])  # two row counts: interpolated
+    flat = StepCosts()
+    for r, t in ((8, 0.030), (9, 0.029), (10, 0.028)):  # falling medians: the line does not fall
+        flat.record_rows(r, t)
+    assert flat.curve(8, 2) == pytest.approx([0.029] * 3)
+
+
+def test_drafting_rests_where_steps_with_drafts_emit_fewer_tokens_per_second_than_steps_without():
+    """The guard under every load rule: the realised tokens per second of decode steps that verified drafts against
+    those that verified none, at the nearest batch size within a quarter of it; no verdict until both are
+    measured (8 and 4 steps)."""
+    from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, COMPARE_MIN_PLAIN, StepCosts
+
+    c = StepCosts()
+    for _ in range(COMPARE_MIN_PLAIN + 1):  # the first observation of a key is dropped when the second comes
+        c.record_step(16, 16, 0.030, drafted=False)  # 533 tokens/s
+    assert c.step_rates(16) is None and not c.drafting_loses(16)  # drafting not measured yet
+    for _ in range(COMPARE_MIN_DRAFTING + 1):
+        c.record_step(16, 18, 0.036, drafted=True)  # 500 tokens/s: two accepted draft tokens for 6 ms
+    assert c.step_rates(16) == pytest.approx((500.0, 533.33), rel=1e-3)
+    assert c.drafting_loses(16) and c.drafting_loses(14) and c.drafting_loses(20)  # within 16 // 4
+    assert not c.drafting_loses(11) and not c.drafting_loses(22)  # too far (a quarter of 11, of 22): no verdict
+    for _ in range(16):
+        c.record_step(16, 20, 0.034, drafted=True)  # 588 tokens/s: the window moves on
+    assert not c.drafting_loses(16)
+    assert c.summary()["step_rates"] == {16: [pytest.approx(588.2, abs=0.1), pytest.approx(533.3, abs=0.1)]}
+
+
 def test_a_first_observation_is_dropped_when_a_second_arrives():
     """A key's first observation carries one-time costs (kernels built for a new shape): alone it stands, the second
     replaces it, later ones join the window."""

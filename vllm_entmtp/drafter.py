@@ -363,7 +363,9 @@ class EntMTPProposer(MedusaProposer):
 
     def _propose_scheduled(self, hidden, bonus, req_ids, budgets, active):
         """EntMTP: update each request's signals, let the scheduler pick its tree, draft it. Under the measured
-        load policy, a step that probes the plain step's cost, or in which no draft can pay at this batch size,
+        load policy, a step that probes the plain step's cost, or in which no draft can pay at this batch size
+        (or where steps that verified drafts have emitted fewer tokens per second than steps that verified none:
+        :meth:`~vllm_entmtp.step_costs.StepCosts.drafting_loses`; then prompt lookup does not search either),
         drafts nothing and runs no head (unless a request holds itself to a tree; and every
         :data:`~vllm_entmtp.step_costs.PROBE_EVERY` steps that do not pay, drafting is measured again: the
         schedule drafts under the default cap). With prompt lookup
@@ -377,17 +379,21 @@ class EntMTPProposer(MedusaProposer):
         costs = self.step_costs
         free = all(f is None for f in forced)
         probe = costs is not None and free and costs.needs_probe(n)
+        # where the steps that verified drafts have emitted fewer tokens per second than those that verified none,
+        # nothing is drafted (no lookup search, no head), but every PROBE_EVERY steps the schedule explores
+        resting = costs is not None and free and not probe and costs.drafting_loses(n)
+        explore = resting and costs.needs_exploration(n)  # drafting is measured again (StepCosts)
+        rest = resting and not explore
         budget = self.scheduler.node_budget(n)  # draft nodes of the step in all, heads' and lookup's (None: no cap)
-        lookups = {} if probe or self.lookup is None or budget == 0 else self._lookup_drafts(req_ids, budgets,
-                                                                                              active, forced)
+        lookups = {} if probe or rest or self.lookup is None or budget == 0 else self._lookup_drafts(
+            req_ids, budgets, active, forced)
         heads_only_lookup = self.spec_config.entmtp.draft_sources == "lookup"
         sure = {i for i, toks in lookups.items()  # lookup drafts no heads' draft could beat
                 if heads_only_lookup or self.lookup.expected(req_ids[i], len(toks))
                 >= self.scheduler.best_expected(req_ids[i])}
         want_heads = [i for i in range(n) if budgets[i] > 0 and (active is None or active[i]) and i not in sure]
-        skip = probe or heads_only_lookup or not want_heads or (budget == 0 and free)  # budget 0: no room
-        explore = False  # no draft pays on the costs measured, but drafting is measured again (StepCosts)
-        if not skip and costs is not None and free and not self.scheduler.drafting_pays(n, costs):
+        skip = probe or rest or heads_only_lookup or not want_heads or (budget == 0 and free)  # budget 0: no room
+        if not skip and not explore and costs is not None and free and not self.scheduler.drafting_pays(n, costs):
             explore = costs.needs_exploration(n)
             skip = not explore
         t_heads = time.perf_counter()
@@ -522,6 +528,9 @@ class EntMTPProposer(MedusaProposer):
         drafts = self.propose(scheduler_output.num_spec_tokens_to_schedule, hidden, None, active=active,
                               bonus=bonus)
         costs = self.step_costs
+        if costs is not None and STEP.decode_rows:  # a decode step: what it emitted, against what it took
+            costs.record_step(n, sum(len(t) for t in sampled_token_ids), time.perf_counter() - STEP.rows_clock,
+                              drafted=STEP.decode_rows > n)
         if costs is not None and self.heads_ran:
             # what drafting from the heads adds to a step that would run prompt lookup and the tracker anyway
             seconds = self.heads_seconds

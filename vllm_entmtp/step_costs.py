@@ -42,6 +42,16 @@ drafting does not pay at that batch size (:meth:`~vllm_entmtp.load_rules.LoadRul
 heads run again only in the exploring steps above, whose yields enter the same record (one in 64 steps of a
 batch size: a yield once measured low changes slowly; from about 30 requests an exploring step drafts the
 ladder's smallest tree, so there the heads, once stopped, stay stopped).
+
+The realised comparison, over all of the above: the rules price draft rows and drafting from the rows' curve
+and the calibration, which miss costs that depend on the workload (each draft row attends to its request's whole
+context, so on long chat prompts it costs far more than on short code prompts) and overrate acceptance where the
+text is not like the calibration's. :meth:`StepCosts.record_step` keeps, per batch size, what each decode step
+emitted (one token per request plus its accepted draft tokens) and took (from its inputs to the end of its
+drafting), apart for steps that verified draft tokens and steps that verified none; where the former have
+emitted fewer tokens per second (:meth:`StepCosts.drafting_loses`), the drafter drafts nothing at that batch size,
+runs neither prompt lookup nor the heads, and explores as above (2026-12-02, served, ShareGPT, 16 running,
+bfloat16: entmtp ran 0.78-0.92x plain decoding while drafting in a quarter of the request-steps).
 """
 from __future__ import annotations
 
@@ -55,6 +65,10 @@ WINDOW = 16
 PROBE_EVERY = 64
 #: Measured row counts it takes to fit a line to the step time near a batch (:meth:`StepCosts.curve`).
 FIT_MIN_POINTS = 3
+#: Decode steps that verified draft tokens, and steps that verified none, that it takes to compare the two at a
+#: batch size (:meth:`StepCosts.drafting_loses`).
+COMPARE_MIN_DRAFTING = 8
+COMPARE_MIN_PLAIN = 4
 #: Steps in which the heads ran that it takes to judge a batch size's yield (of the last :data:`WINDOW` kept).
 YIELD_MIN_STEPS = 8
 
@@ -70,6 +84,7 @@ class StepCosts:
         self._since_probe: dict[int, int] = {}
         self._since_draft: dict[int, int] = {}  # steps of a batch size in which no draft paid, since it explored
         self._yield: dict[int, deque] = {}  # per batch size: (accepted heads tokens, extra seconds) a heads step
+        self._steps: dict[bool, dict[int, deque]] = {True: {}, False: {}}  # drafts verified? -> B -> (tokens, s)
         self._seen: dict[tuple[str, int], int] = {}  # observations so far per (kind, key)
         self._med: dict[int, float] | None = None  # medians by row count, cached until the next observation
         self.probes = 0
@@ -96,6 +111,36 @@ class StepCosts:
         the heads added (drafting, and the rows of their draft tokens)."""
         if batch_size >= 1 and seconds > 0:
             self._add(self._yield, "yield", batch_size, (float(accepted), seconds))
+
+    def record_step(self, batch_size: int, tokens: int, seconds: float, drafted: bool) -> None:
+        """A decode step of ``batch_size`` requests emitted ``tokens`` (one per request plus the accepted draft
+        tokens) in ``seconds`` (from its inputs to the end of its drafting); ``drafted``: it verified draft
+        tokens."""
+        if batch_size >= 1 and seconds > 0:
+            self._add(self._steps[drafted], f"step-{drafted}", batch_size, (float(tokens), seconds))
+
+    def step_rates(self, batch_size: int) -> tuple[float, float] | None:
+        """Tokens per second of the recent decode steps that verified draft tokens and of those that verified none,
+        at the nearest batch sizes (no further than ``max(2, batch_size // 4)``) with :data:`COMPARE_MIN_DRAFTING`
+        and :data:`COMPARE_MIN_PLAIN` of them; None without."""
+        out = []
+        for drafted, need in ((True, COMPARE_MIN_DRAFTING), (False, COMPARE_MIN_PLAIN)):
+            table = self._steps[drafted]
+            near = [b for b, obs in table.items()
+                    if len(obs) >= need and abs(b - batch_size) <= max(2, batch_size // 4)]
+            if not near:
+                return None
+            obs = table[min(near, key=lambda b: (abs(b - batch_size), -b))]
+            out.append(sum(t for t, _ in obs) / sum(s for _, s in obs))
+        return out[0], out[1]
+
+    def drafting_loses(self, batch_size: int) -> bool:
+        """Whether, at ``batch_size`` requests, the decode steps that verified draft tokens have emitted fewer tokens
+        per second than those that verified none (:meth:`step_rates`): what drafting actually returned against
+        what it actually cost, every cost included (the rows' attention over long contexts, the heads, lookup and
+        sampling). False until both are measured."""
+        rates = self.step_rates(batch_size)
+        return rates is not None and rates[0] < rates[1]
 
     def heads_yield(self, batch_size: int) -> float | None:
         """Accepted heads' draft tokens per second of step time the heads added, at ``batch_size`` requests: their
@@ -237,9 +282,12 @@ class StepCosts:
 
     def summary(self) -> dict:
         """For logs and tests: ``{"rows_ms": {R: median ms}, "draft_ms": {B: median ms}, "heads_yield": {B:
-        accepted heads' tokens per second added}, "probes": n, "explorations": n}``."""
+        accepted heads' tokens per second added}, "step_rates": {B: [tokens/s of steps with drafts, of steps
+        without]}, "probes": n, "explorations": n}``."""
         return {"rows_ms": {r: round(1e3 * statistics.median(v), 3) for r, v in sorted(self._rows.items())},
                 "draft_ms": {b: round(1e3 * statistics.median(v), 3) for b, v in sorted(self._draft.items())},
                 "heads_yield": {b: round(self._own_yield(b), 1) for b in sorted(self._yield)
                                 if len(self._yield[b]) >= YIELD_MIN_STEPS},
+                "step_rates": {b: [round(r, 1) for r in rates] for b in sorted(self._steps[True])
+                               if (rates := self.step_rates(b)) is not None},
                 "probes": self.probes, "explorations": self.explorations}

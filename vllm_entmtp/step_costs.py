@@ -37,11 +37,12 @@ from them over the 32 requests).
 :meth:`StepCosts.record_heads_yield` keeps, per batch size, what each step in which the heads ran got from them
 (their accepted draft tokens, known one step later) against what they added to it (the heads' part of the
 drafter's time: their confidence, the schedule and their drafts, not prompt lookup and the tracker, which run
-in every step; and their rows); where that yield (:meth:`StepCosts.heads_yield`) is below the plain step's tokens per second,
-drafting does not pay at that batch size (:meth:`~vllm_entmtp.load_rules.LoadRules.drafting_pays`), and the
-heads run again only in the exploring steps above, whose yields enter the same record (one in 64 steps of a
-batch size: a yield once measured low changes slowly; from about 30 requests an exploring step drafts the
-ladder's smallest tree, so there the heads, once stopped, stay stopped).
+in every step; and their rows); where that yield (:meth:`StepCosts.heads_yield`) is below the plain step's
+tokens per second, drafting does not pay at that batch size
+(:meth:`~vllm_entmtp.load_rules.LoadRules.drafting_pays`), and the heads run again only in the exploring steps
+above, whose yields enter the same record (one in 64 steps of a batch size: a yield once measured low changes
+slowly; from about 30 requests an exploring step drafts the ladder's smallest tree, so there the heads, once
+stopped, stay stopped).
 
 The realised comparison, over all of the above: the rules price draft rows and drafting from the rows' curve
 and the calibration, which miss costs that depend on the workload (each draft row attends to its request's whole

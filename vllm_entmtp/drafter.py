@@ -75,6 +75,7 @@ class EntMTPProposer(MedusaProposer):
     runner = None  # set by the runner patch
     heads_ran = True  # whether this step's drafting ran the heads
     heads_seconds = 0.0  # this step: the time the heads' drafting took (confidence, the schedule, the drafts)
+    _proposed_free = True  # the last drafts proposed: no request of that step was held to a tree
     _heads_nodes: tuple[int, int] | None = None  # this step: the heads' draft nodes, and all draft nodes
     _heads_step: tuple[int, float] | None = None  # last step that ran the heads: (batch size, seconds they added)
 
@@ -378,6 +379,7 @@ class EntMTPProposer(MedusaProposer):
         forced = [self._forced_tree(rid) for rid in req_ids]
         costs = self.step_costs
         free = all(f is None for f in forced)
+        self._proposed_free = free
         probe = costs is not None and free and costs.needs_probe(n)
         # where the steps that verified drafts have emitted fewer tokens per second than those that verified none,
         # nothing is drafted (no lookup search, no head), but every PROBE_EVERY steps the schedule explores
@@ -525,10 +527,14 @@ class EntMTPProposer(MedusaProposer):
             self.recorder.add(list(self.runner.input_batch.req_ids[:n]), hidden, sampled_token_ids)
         if self.prefix_cache is not None:  # Hydra++: the heads read the prefix layer's output
             hidden = prefix_layer_hidden(self.runner, hidden_states, sampled_token_ids, spec_decode_metadata)
+        verified_free = self._proposed_free  # the drafts this step verified were proposed last step
         drafts = self.propose(scheduler_output.num_spec_tokens_to_schedule, hidden, None, active=active,
                               bonus=bonus)
         costs = self.step_costs
-        if costs is not None and STEP.decode_rows:  # a decode step: what it emitted, against what it took
+        # a decode step: what it emitted against what it took, for the load rule's realised comparison; not where a
+        # request held itself to a tree (verified this step or drafted for the next): those drafts are the
+        # request's choice, not the rule's (a benchmark's static trees had made the rule rest)
+        if costs is not None and STEP.decode_rows and verified_free and self._proposed_free:
             costs.record_step(n, sum(len(t) for t in sampled_token_ids), time.perf_counter() - STEP.rows_clock,
                               drafted=STEP.decode_rows > n)
         if costs is not None and self.heads_ran:

@@ -49,7 +49,8 @@ and the calibration, which miss costs that depend on the workload (each draft ro
 context, so on long chat prompts it costs far more than on short code prompts) and overrate acceptance where the
 text is not like the calibration's. :meth:`StepCosts.record_step` keeps, per batch size, what each decode step
 emitted (one token per request plus its accepted draft tokens) and took (from its inputs to the end of its
-drafting), apart for steps that verified draft tokens and steps that verified none; where the former have
+drafting), apart for steps that verified draft tokens and steps that verified none (not the steps in which a
+request held itself to a tree); where the former have
 emitted fewer tokens per second (:meth:`StepCosts.drafting_loses`), the drafter drafts nothing at that batch size,
 runs neither prompt lookup nor the heads, and explores as above (2026-12-02, served, ShareGPT, 16 running,
 bfloat16: entmtp ran 0.78-0.92x plain decoding while drafting in a quarter of the request-steps).

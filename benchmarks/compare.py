@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # sibling modules (benchmarks/ is a script folder, not a package)
 from compare_methods import Method, interleaved_order, method_order, shipped_method_table  # noqa: E402
 from compare_report import write_outputs  # noqa: E402
-from compare_run import machine_description, run_method  # noqa: E402
+from compare_run import machine_description, run_method, run_paired  # noqa: E402
 from compare_server import vllm_executable  # noqa: E402
 from compare_settings import DEFAULT_PORT, DEFAULTS, QUICK, make_settings  # noqa: E402
 from throughput import BenchmarkError  # noqa: E402
@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"output tokens per request at most (default {DEFAULTS['max_tokens']})")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every method this many times, the methods' order rotated each time (default 1)")
+    ap.add_argument("--paired", action="store_true",
+                    help="start every method's server once and let the methods take turns level by level (their "
+                         "order rotated each level), instead of one server per method and repeat: a method's "
+                         "figures then come seconds, not minutes, after the others' (ports --port, --port + 1, ...; "
+                         "memory for all the servers at once)")
     ap.add_argument("--ignore-eos", action="store_true", help="every request generates --max-tokens tokens")
     ap.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"server port (default {DEFAULT_PORT})")
     ap.add_argument("--out", default=None, help="output folder (default runs/compare-<timestamp>)")
@@ -174,9 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     # its own, so no signal sent to this process reaches it) and the partial results are written
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        for repeat in range(s.repeats):
-            for position, method in enumerate(interleaved_order(s.methods, repeat)):
-                doc["runs"] += run_method(s, method, model, vllm, repeat, position)
+        if s.paired:
+            run_paired(s, model, vllm, doc["runs"])
+        else:
+            for repeat in range(s.repeats):
+                for position, method in enumerate(interleaved_order(s.methods, repeat)):
+                    doc["runs"] += run_method(s, method, model, vllm, repeat, position)
     except BenchmarkError as e:
         print(f"error: {e}", file=sys.stderr)
         doc["incomplete"] = str(e).splitlines()[0]

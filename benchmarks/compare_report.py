@@ -72,10 +72,14 @@ def render_report(doc: dict) -> str:
     out += ["Speed is a ratio measured within one run on one machine: every method was served in turn by this "
             "run, on the same machine, with the same prompts and settings. Compare the methods with each other "
             "(the `vs` columns); never compare these numbers with those of another run or machine."]
+    if s.get("paired"):
+        out += ["", "Methods ran paired (`--paired`): every method's server was started once and they took turns, "
+                "level by level, their order rotated from one level to the next; a server waited idle while another "
+                "was measured."]
     if multi:
-        out += ["", f"Methods ran interleaved: their order was rotated every repeat. Each figure is the mean over "
-                f"the {s['repeats']} repeats, [min–max] after it; a ratio is taken within each repeat, then "
-                f"averaged."]
+        order = ("" if s.get("paired") else "Methods ran interleaved: their order was rotated every repeat. ")
+        out += ["", f"{order}Each figure is the mean over the {s['repeats']} repeats, [min–max] after it; a ratio "
+                f"is taken within each repeat, then averaged."]
     if s.get("enforce_eager"):
         out += ["", "The servers ran with `--enforce-eager` (no torch.compile): faster start-up, but every "
                 "method's speed differs from a compiled server's."]

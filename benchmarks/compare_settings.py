@@ -36,6 +36,7 @@ class Settings:
     enforce_eager: bool
     serve_args: list[str]
     startup_timeout: float
+    paired: bool = False
 
     def as_json(self) -> dict:
         out = {k: v for k, v in vars(self).items() if k not in ("methods", "out")}
@@ -56,6 +57,7 @@ def make_settings(args: argparse.Namespace, available: dict[str, Method], skippe
             raise BenchmarkError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if not 1 <= args.port <= 65535:
         raise BenchmarkError(f"--port must be 1..65535, got {args.port}")
+    paired = bool(getattr(args, "paired", False))
     if not args.startup_timeout > 0:
         raise BenchmarkError(f"--startup-timeout must be > 0, got {args.startup_timeout}")
     try:
@@ -82,9 +84,12 @@ def make_settings(args: argparse.Namespace, available: dict[str, Method], skippe
             if m.spec is None and m.dtype is not None and m.dtype == dtype:
                 skipped[m.name] = f"the run's dtype is {dtype}: the same as plain"
         methods = [m for m in methods if m.name not in skipped]
+    if paired and args.port + len(methods) - 1 > 65535:
+        raise BenchmarkError(f"--paired serves {len(methods)} methods on ports {args.port}.."
+                             f"{args.port + len(methods) - 1}: past 65535; pass a lower --port")
     return Settings(
         methods=methods, skipped=skipped, tasks=tasks, concurrency=tp.parse_concurrency(pick["concurrency"]),
         num_requests=pick["num_requests"], max_tokens=pick["max_tokens"], repeats=args.repeats,
         ignore_eos=args.ignore_eos, port=args.port, out=Path(args.out or f"runs/compare-{stamp}"),
         quick=args.quick, enforce_eager=args.enforce_eager, serve_args=serve_args,
-        startup_timeout=args.startup_timeout)
+        startup_timeout=args.startup_timeout, paired=paired)

@@ -17,6 +17,7 @@ cp = load_benchmark("compare")  # the script: its options and main; it puts benc
 import compare_aggregate as agg  # noqa: E402
 import compare_methods as cm  # noqa: E402
 import compare_report as rep  # noqa: E402
+import compare_run as crun  # noqa: E402
 import compare_server as srv  # noqa: E402
 import compare_settings as cs  # noqa: E402
 import throughput as tp  # noqa: E402
@@ -116,6 +117,123 @@ def test_interleaved_order_rotates():
     assert cm.interleaved_order([], 3) == []
 
 
+# ------------------------------------------------------------------------------------------ paired runs
+def test_paired_schedule_rotates_the_methods_level_by_level():
+    plain, entmtp = cm.Method("plain", None), cm.Method("entmtp", ENTMTP)
+    static = cm.Method("static-x", ENTMTP, only_task="mixed")
+    order = crun.paired_schedule([plain, entmtp, static], ["humaneval", "mixed"], [1, 16], repeats=2)
+    cells: dict = {}
+    for repeat, task, c, pos, m in order:
+        cells.setdefault((repeat, task, c), []).append((pos, m.name))
+    assert list(cells) == [(r, t, c) for r in range(2) for t in ("humaneval", "mixed") for c in (1, 16)]
+    for (repeat, task, c), turns in cells.items():  # each method once per level, in positions 0, 1, ...
+        names = [n for _, n in turns]
+        assert sorted(names) == (["entmtp", "plain"] if task == "humaneval" else ["entmtp", "plain", "static-x"])
+        assert [p for p, _ in turns] == list(range(len(names)))
+    # rotated from level to level and from repeat to repeat: at each level each method goes first once in 2 repeats
+    firsts = [turns[0][1] for (r, t, c), turns in cells.items() if t == "humaneval"]
+    assert firsts == ["plain", "entmtp", "entmtp", "plain"]
+    for c in (1, 16):  # mixed: 3 methods, the first of each level differs between the repeats
+        assert cells[0, "mixed", c][0][1] != cells[1, "mixed", c][0][1]
+    assert crun.paired_schedule([], ["humaneval"], [1], 1) == []
+
+
+class FakeServers:
+    """Stands in for compare_server.Server in run_paired: records starts, stops and ports."""
+
+    def __init__(self):
+        self.started, self.stopped = [], []
+
+    def __call__(self, cmd, log, port, timeout, name):
+        fake = self
+
+        class S:
+            def __init__(self):
+                self.log, self.port, self.startup_s, self.base_url = log, port, 1.5, f"http://h:{port}"
+
+            def __enter__(self):
+                fake.started.append((name, port))
+                return self
+
+            def __exit__(self, *exc):
+                fake.stopped.append(name)
+
+            def runtime(self):
+                return {"env": {}, "omp_binding": []}
+
+            def peak_rss_mib(self):
+                return 100.0 + port
+
+        return S()
+
+
+def paired_settings(tmp_path, repeats=2):
+    plain, entmtp = cm.Method("plain", None), cm.Method("entmtp", ENTMTP)
+    return cs.Settings(methods=[plain, entmtp], skipped={}, tasks=["humaneval"], concurrency=[1, 4], num_requests=4,
+                       max_tokens=8, repeats=repeats, ignore_eos=False, port=9000, out=tmp_path, quick=False,
+                       enforce_eager=False, serve_args=[], startup_timeout=5.0, paired=True)
+
+
+def test_run_paired_serves_every_method_once_and_takes_turns(tmp_path, monkeypatch):
+    servers, calls = FakeServers(), []
+    monkeypatch.setattr(crun, "Server", servers)
+    monkeypatch.setattr(tp, "load_benchmark_prompts", lambda task, n: [[{"role": "user", "content": str(i)}]
+                                                                      for i in range(n)])
+
+    async def fake_run(cfg, prompts):
+        port = int(cfg.base_url.rsplit(":", 1)[1])
+        (c,) = [lv["concurrency"] for lv in cfg.levels]
+        calls.append((port, c, cfg.warmup_requests))
+        return {"config": {"port": port}, "date": "d", "levels": [level(c, float(port - 9000 + 1) * c)]}
+
+    monkeypatch.setattr(tp, "run_benchmark", fake_run)
+    runs: list = []
+    crun.run_paired(paired_settings(tmp_path), "model", "vllm", runs)
+    assert servers.started == [("plain", 9000), ("entmtp", 9001)]
+    assert sorted(servers.stopped) == ["entmtp", "plain"]
+    # turns: level by level, the order rotated each level; one warm-up request per server, on its first level
+    assert calls == [(9000, 1, 1), (9001, 1, 1), (9001, 4, 0), (9000, 4, 0),
+                     (9001, 1, 0), (9000, 1, 0), (9000, 4, 0), (9001, 4, 0)]
+    assert [(r["repeat"], r["method"]) for r in runs] == [(0, "plain"), (0, "entmtp"), (1, "entmtp"), (1, "plain")]
+    for r in runs:  # one record per method, task and repeat, its levels in order, as run_method writes them
+        assert [lv["concurrency"] for lv in r["levels"]] == [1, 4]
+        first = (r["method"] == "plain") == (r["repeat"] == 0)
+        assert r["paired"] and r["positions"] == ({"1": 0, "4": 1} if first else {"1": 1, "4": 0})
+        assert r["server_peak_rss_mib"] == (9100.0 if r["method"] == "plain" else 9101.0)
+    saved = json.loads((tmp_path / "raw" / "r1-entmtp-humaneval.json").read_text())
+    assert [lv["output_throughput"] for lv in saved["levels"]] == [2.0, 8.0]
+    rows = {(r["method"], r["concurrency"]): r for r in agg.aggregate(runs)}
+    assert rows["entmtp", 4]["ratios"]["plain"]["mean"] == pytest.approx(2.0)
+
+
+def test_run_paired_interrupted_keeps_what_it_measured_and_stops_the_servers(tmp_path, monkeypatch):
+    servers, n = FakeServers(), []
+    monkeypatch.setattr(crun, "Server", servers)
+    monkeypatch.setattr(tp, "load_benchmark_prompts", lambda task, k: [[{"role": "user", "content": "x"}]] * k)
+
+    async def fake_run(cfg, prompts):
+        n.append(1)
+        if len(n) == 3:
+            raise KeyboardInterrupt
+        return {"config": {}, "levels": [level(cfg.levels[0]["concurrency"], 10.0)]}
+
+    monkeypatch.setattr(tp, "run_benchmark", fake_run)
+    runs: list = []
+    with pytest.raises(KeyboardInterrupt):
+        crun.run_paired(paired_settings(tmp_path), "model", "vllm", runs)
+    assert sorted(servers.stopped) == ["entmtp", "plain"]
+    assert [(r["method"], len(r["levels"])) for r in runs] == [("plain", 1), ("entmtp", 1)]
+
+
+def test_report_says_the_run_was_paired():
+    doc = hand_doc(hand_runs())
+    doc["settings"]["paired"] = True
+    doc["aggregate"] = agg.aggregate(doc["runs"])
+    md = rep.render_report(doc)
+    assert "Methods ran paired (`--paired`)" in md and "order rotated from one level to the next" in md
+    assert "rotated every repeat" not in md and "mean over the 2 repeats" in md
+
+
 # ------------------------------------------------------------------------------------------ arguments
 def settings(checkout_make, argv, **kw):
     available, skipped = checkout_make
@@ -140,6 +258,7 @@ def test_quick_defaults_and_overrides(checkout):
     assert "same as plain" in s.skipped["plain-float32"]
     s = settings(table, [])
     assert (s.tasks, s.concurrency, s.repeats, s.port) == (list(cm.TASKS), [1, 4, 16], 1, 8123)
+    assert not s.paired and settings(table, ["--paired"]).paired
 
 
 def test_per_task_tree_sets_run_their_own_task_only(checkout):
@@ -174,6 +293,7 @@ def test_default_out_dir(checkout):
     (["--max-tokens", "-1"], "--max-tokens must be >= 1"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--port", "70000"], "--port must be 1..65535"),
+    (["--paired", "--methods", "plain,entmtp", "--port", "65535"], "--paired serves 2 methods on ports 65535..65536"),
     (["--startup-timeout", "0"], "--startup-timeout must be > 0"),
     (["--serve-args", "'unclosed"], "--serve-args"),
 ])

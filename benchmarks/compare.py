@@ -3,11 +3,16 @@
     python benchmarks/compare.py --quick
     python benchmarks/compare.py --methods plain,ngram,entmtp --tasks humaneval,gsm8k --concurrency 1,4,16 \\
         --num-requests 16 --max-tokens 128 --repeats 3 --out runs/compare-full
+    python benchmarks/compare.py --paired --methods plain,entmtp --tasks sharegpt --concurrency 16,32 --repeats 3
 
 For each method (a ``--speculative-config``, or none) the script starts ``vllm serve`` on the default target model
 (SmolLM2-135M-Instruct, as ``make serve`` does), waits for ``/health``, runs the load generator of
 ``benchmarks/throughput.py`` in-process for every task and concurrency level, and stops the server (its whole
-process group) before the next method starts. Servers run `--dtype float32` on CPUs without AVX-512 BF16, as
+process group) before the next method starts. With ``--paired`` every method's server is started once, on ports
+``--port``, ``--port + 1``, ... (memory for all of them at once), and the methods take turns level by level, their
+order rotated from one level and repeat to the next: a method's level then runs seconds after the others' run of
+it, not minutes (a server's start-up) apart, so that the machine's drift (up to 20 % over minutes on a shared
+2-core machine) falls on every method alike. Servers run `--dtype float32` on CPUs without AVX-512 BF16, as
 `make serve` does (`--serve-args "--dtype bfloat16"` overrides). The methods:
 
 * ``plain``: no speculation, in the run's dtype; ``plain-float32`` and ``plain-bfloat16``: the same in that dtype

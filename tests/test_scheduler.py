@@ -475,7 +475,7 @@ def test_a_draft_row_costs_the_local_slope_not_the_step_between_two_noisy_median
 def test_drafting_rests_where_steps_with_drafts_emit_fewer_tokens_per_second_than_steps_without():
     """The guard under every load rule: the realised tokens per second of decode steps that verified drafts against
     those that verified none, at the nearest batch size within a quarter of it; no verdict until both are
-    measured (8 and 4 steps)."""
+    measured (8 and 4 steps); a batch size without one of its own takes a loss of the largest smaller one."""
     from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, COMPARE_MIN_PLAIN, StepCosts
 
     c = StepCosts()
@@ -486,11 +486,20 @@ def test_drafting_rests_where_steps_with_drafts_emit_fewer_tokens_per_second_tha
         c.record_step(16, 18, 0.036, drafted=True)  # 500 tokens/s: two accepted draft tokens for 6 ms
     assert c.step_rates(16) == pytest.approx((500.0, 533.33), rel=1e-3)
     assert c.drafting_loses(16) and c.drafting_loses(14) and c.drafting_loses(20)  # within 16 // 4
-    assert not c.drafting_loses(11) and not c.drafting_loses(22)  # too far (a quarter of 11, of 22): no verdict
+    assert not c.drafting_loses(11)  # too far (a quarter of 11): no verdict of its own, and none below it
+    # 22 and 40 have no verdict of their own either: the largest smaller batch size's loss stands (bigger batches
+    # make draft rows dearer), until their own steps say otherwise
+    assert c.drafting_loses(22) and c.drafting_loses(40)
+    for _ in range(COMPARE_MIN_DRAFTING + 1):
+        c.record_step(40, 48, 0.060, drafted=True)  # 800 tokens/s with drafts at 40 requests
+    for _ in range(COMPARE_MIN_PLAIN + 1):
+        c.record_step(40, 40, 0.057, drafted=False)  # 702 tokens/s without
+    assert not c.drafting_loses(40) and c.drafting_loses(22)  # 40's own verdict; 22 still inherits 16's
     for _ in range(16):
         c.record_step(16, 20, 0.034, drafted=True)  # 588 tokens/s: the window moves on
-    assert not c.drafting_loses(16)
-    assert c.summary()["step_rates"] == {16: [pytest.approx(588.2, abs=0.1), pytest.approx(533.3, abs=0.1)]}
+    assert not c.drafting_loses(16) and not c.drafting_loses(22)  # 16 wins now; 22 inherits nothing
+    assert c.summary()["step_rates"] == {16: [pytest.approx(588.2, abs=0.1), pytest.approx(533.3, abs=0.1)],
+                                         40: [pytest.approx(800.0, abs=0.1), pytest.approx(701.8, abs=0.1)]}
 
 
 def test_a_first_observation_is_dropped_when_a_second_arrives():

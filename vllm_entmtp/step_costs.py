@@ -53,7 +53,9 @@ drafting), apart for steps that verified draft tokens and steps that verified no
 request held itself to a tree); where the former have
 emitted fewer tokens per second (:meth:`StepCosts.drafting_loses`), the drafter drafts nothing at that batch size,
 runs neither prompt lookup nor the heads, and explores as above (2026-12-02, served, ShareGPT, 16 running,
-bfloat16: entmtp ran 0.78-0.92x plain decoding while drafting in a quarter of the request-steps).
+bfloat16: entmtp ran 0.78-0.92x plain decoding while drafting in a quarter of the request-steps). A batch size
+with no comparison of its own takes the loss of the largest smaller batch size that has one: drafting only gets
+dearer as the batch grows, so it is not tried afresh there (it is still explored).
 """
 from __future__ import annotations
 
@@ -140,9 +142,33 @@ class StepCosts:
         """Whether, at ``batch_size`` requests, the decode steps that verified draft tokens have emitted fewer tokens
         per second than those that verified none (:meth:`step_rates`): what drafting actually returned against
         what it actually cost, every cost included (the rows' attention over long contexts, the heads, lookup and
-        sampling). False until both are measured."""
+        sampling).
+
+        Where that is not measured near ``batch_size``, the verdict of the largest smaller batch size that has
+        one (:data:`COMPARE_MIN_DRAFTING` and :data:`COMPARE_MIN_PLAIN` steps of its own) stands if it lost: as
+        the batch grows a draft row costs more (the step becomes compute-bound) and a plain token less, so where
+        drafting lost at 16 requests it is not tried afresh at 32 (2026-12-03, served, GSM8K, bfloat16: entmtp
+        drafted its way to a verdict at 32 running and ran 0.90-0.94x plain there while it rested at 16); the
+        exploring steps (:meth:`needs_exploration`) still measure drafting at ``batch_size``, and its own verdict
+        replaces the inherited one once it has the steps. False with neither."""
         rates = self.step_rates(batch_size)
-        return rates is not None and rates[0] < rates[1]
+        if rates is not None:
+            return rates[0] < rates[1]
+        below = [b for b in self._steps[True] if b < batch_size and self._own_rates(b) is not None]
+        if not below:
+            return False
+        drafted, plain = self._own_rates(max(below))
+        return drafted < plain
+
+    def _own_rates(self, batch_size: int) -> tuple[float, float] | None:
+        """:meth:`step_rates` from the steps of exactly ``batch_size`` requests; None without enough of them."""
+        out = []
+        for drafted, need in ((True, COMPARE_MIN_DRAFTING), (False, COMPARE_MIN_PLAIN)):
+            obs = self._steps[drafted].get(batch_size)
+            if obs is None or len(obs) < need:
+                return None
+            out.append(sum(t for t, _ in obs) / sum(s for _, s in obs))
+        return out[0], out[1]
 
     def heads_yield(self, batch_size: int) -> float | None:
         """Accepted heads' draft tokens per second of step time the heads added, at ``batch_size`` requests: their

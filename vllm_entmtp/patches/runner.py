@@ -9,6 +9,7 @@ drafter is not entmtp's runs vLLM's methods unchanged.
 | ``_prepare_inputs`` | :func:`~vllm_entmtp.step.begin_step`: tree rows get positions root + depth and are recorded for the attention override |
 | ``_sample`` | a step without draft tokens is sampled by vLLM's sampler as plain decoding samples it, not by its rejection sampler (:func:`~vllm_entmtp.step.with_draft_tokens`); :func:`~vllm_entmtp.step.verify`: after vLLM's chain sampler, tree requests are verified by a tree walk (greedy) or tree rejection sampling, their accepted path's K/V moves to consecutive slots, and the step's signals are taken |
 | ``propose_draft_token_ids`` | :meth:`~vllm_entmtp.drafter.EntMTPProposer.draft_step`: the heads read the last *accepted* node's hidden state |
+| ``sample_tokens`` | the step's draft tokens ride back on its ``ModelRunnerOutput`` (:func:`~vllm_entmtp.patches.engine_core.attach_drafts`), so that the engine core need not call the workers again for them |
 
 The attention override is registered here too (``CPU_ATTN`` -> :class:`~vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend`).
 """
@@ -23,14 +24,15 @@ def apply() -> None:
 
     from vllm_entmtp import step
     from vllm_entmtp.drafter import EntMTPProposer
+    from vllm_entmtp.patches.engine_core import attach_drafts
     from vllm_entmtp.patches.sampler import GREEDY_FAST_PATH_ATTR
 
     if getattr(gmr, "_entmtp_patched", False):
         return
     register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend")
     R = gmr.GPUModelRunner
-    orig_init, orig_prepare, orig_sample, orig_propose = (
-        R.__init__, R._prepare_inputs, R._sample, R.propose_draft_token_ids)
+    orig_init, orig_prepare, orig_sample, orig_propose, orig_sample_tokens = (
+        R.__init__, R._prepare_inputs, R._sample, R.propose_draft_token_ids, R.sample_tokens)
 
     def entmtp(runner) -> EntMTPProposer | None:
         d = getattr(runner, "drafter", None)
@@ -76,8 +78,15 @@ def apply() -> None:
         return drafter.draft_step(scheduler_output, sampled_token_ids, hidden_states, sample_hidden_states,
                                   spec_decode_metadata)
 
+    def sample_tokens(self, grammar_output):
+        out = orig_sample_tokens(self, grammar_output)
+        if entmtp(self) is not None:
+            attach_drafts(self, out)
+        return out
+
     R.__init__ = __init__
     R._prepare_inputs = _prepare_inputs
+    R.sample_tokens = sample_tokens
     R._sample = _sample
     R.propose_draft_token_ids = propose_draft_token_ids
     gmr._entmtp_patched = True

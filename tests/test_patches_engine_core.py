@@ -12,7 +12,9 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunne
 from vllm_entmtp.patches import apply_all, engine_core as ec
 
 
-class Runner:
+class Workers:
+    """A model runner or an executor: hands out its drafts and counts the calls."""
+
     def __init__(self, drafts):
         self.drafts, self.calls = drafts, 0
 
@@ -29,24 +31,15 @@ class Scheduler:
         self.updates.append(drafts)
 
 
-class Executor:
-    def __init__(self, drafts):
-        self.drafts, self.calls = drafts, 0
-
-    def take_draft_token_ids(self):
-        self.calls += 1
-        return self.drafts
-
-
 def core(drafts_from_workers=None, **kw):
     attrs = {"check_for_draft_tokens": True, "async_scheduling": False, "batch_queue": None, **kw}
-    return SimpleNamespace(scheduler=Scheduler(), model_executor=Executor(drafts_from_workers), **attrs)
+    return SimpleNamespace(scheduler=Scheduler(), model_executor=Workers(drafts_from_workers), **attrs)
 
 
 def test_drafts_ride_on_the_output_and_survive_pickling():
     drafts = DraftTokenIds(["a", "b"], [[5, 6], []])
     out = ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[[1], [2]])
-    runner = Runner(drafts)
+    runner = Workers(drafts)
     ec.attach_drafts(runner, out)
     back = pickle.loads(pickle.dumps(out))  # how the worker's reply crosses to the engine core process
     assert getattr(back, ec.ATTR) == drafts

@@ -120,7 +120,9 @@ def run_paired(s: Settings, model: str, vllm: str, runs: list[dict]) -> None:
             rec["wall_s"] += time.monotonic() - t0
             rec["positions"][str(c)] = position
             rec["server_peak_rss_mib"] = server.peak_rss_mib()
-            rec.update({k: v for k, v in result.items() if k != "levels"})
+            for k, v in result.items():  # the first level's config, machine and date, as run_method's records
+                if k != "levels":
+                    rec.setdefault(k, v)
             rec["levels"] += result["levels"]
             raw = s.out / "raw" / f"r{repeat}-{m.name}-{task}.json"
             raw.parent.mkdir(parents=True, exist_ok=True)

@@ -495,6 +495,7 @@ def test_drafting_rests_where_steps_with_drafts_emit_fewer_tokens_per_second_tha
     for _ in range(COMPARE_MIN_PLAIN + 1):
         c.record_step(40, 40, 0.057, drafted=False)  # 702 tokens/s without
     assert not c.drafting_loses(40) and c.drafting_loses(22)  # 40's own verdict; 22 still inherits 16's
+    assert not c.drafting_loses(60)  # the largest smaller batch size with a verdict decides: 40 won
     for _ in range(16):
         c.record_step(16, 20, 0.034, drafted=True)  # 588 tokens/s: the window moves on
     assert not c.drafting_loses(16) and not c.drafting_loses(22)  # 16 wins now; 22 inherits nothing

@@ -248,6 +248,25 @@ def install_faults(worker, stages: list[str] | None) -> None:
         step_mod._walk = _walk
 
 
+def count_draft_token_calls(llm) -> dict | None:
+    """Where the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): count its calls to the
+    workers for draft tokens (``model_executor.take_draft_token_ids``, vLLM's ``post_step``), which entmtp's draft
+    tokens riding on the step's output make unneeded (:mod:`vllm_entmtp.patches.engine_core`). Returns the counter
+    (``{"calls": n}``, updated as the engine steps), or None where the engine core runs in another process."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    if core is None:
+        return None
+    counter, executor = {"calls": 0}, core.model_executor
+    take = executor.take_draft_token_ids
+
+    def counted(*args, **kwargs):
+        counter["calls"] += 1
+        return take(*args, **kwargs)
+
+    executor.take_draft_token_ids = counted
+    return counter
+
+
 def run_job(job: dict, *, verbose: bool = False) -> dict:
     """Run :func:`main` on ``job`` in a fresh Python process (one engine; vLLM's CPU engine spawns its own
     processes, and one engine per process keeps runs independent) and return its output.
@@ -289,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     ``concurrency`` ignored; one with ``requests`` runs :func:`generate_requests`; ``faults`` are installed in
     the workers for that phase only, :func:`install_faults`).
     OUT: ``{phase name: generate_chat(...) result + "tree_stats", "entmtp_metrics", "engine" (engine_counters,
-    cumulative)}``; spec counters are per phase (differences).
+    cumulative), "draft_token_calls" (:func:`count_draft_token_calls`, cumulative; None with the engine core in
+    another process)}``; spec counters are per phase (differences).
     """
     import sys
 
@@ -301,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                    max_model_len=job.get("max_model_len", 1024), max_num_seqs=job.get("max_num_seqs", 8),
                    **(job.get("engine_args") or {}))
     results, before = {}, SpecDecodeCounts()
+    draft_calls = count_draft_token_calls(llm)
     for phase in job["phases"]:
         convs = job["conversations"]
         if phase.get("prompts") is not None:  # a subset of the conversations, by index
@@ -331,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         r["tree_stats"] = tree_stats(llm)
         r["entmtp_metrics"] = entmtp_counters(llm)
         r["engine"] = engine_counters(llm)
+        r["draft_token_calls"] = None if draft_calls is None else draft_calls["calls"]  # cumulative
         results[phase["name"]] = r
     dump(results, out_path)
     return 0

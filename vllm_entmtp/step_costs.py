@@ -154,11 +154,11 @@ class StepCosts:
         rates = self.step_rates(batch_size)
         if rates is not None:
             return rates[0] < rates[1]
-        below = [b for b in self._steps[True] if b < batch_size and self._own_rates(b) is not None]
-        if not below:
-            return False
-        drafted, plain = self._own_rates(max(below))
-        return drafted < plain
+        for b in sorted((b for b in self._steps[True] if b < batch_size), reverse=True):
+            rates = self._own_rates(b)
+            if rates is not None:
+                return rates[0] < rates[1]
+        return False
 
     def _own_rates(self, batch_size: int) -> tuple[float, float] | None:
         """:meth:`step_rates` from the steps of exactly ``batch_size`` requests; None without enough of them."""

@@ -11,8 +11,8 @@ when nothing was drafted) on the step's ``ModelRunnerOutput`` as :data:`ATTR` (:
 runner patch's ``sample_tokens`` for entmtp's runners only); the engine core's scheduler keeps it when it reads the
 output (:func:`stash_drafts`), and ``post_step`` hands it to the scheduler instead of calling the workers
 (:func:`hand_stashed_drafts`). An output without the attribute (other methods, async scheduling, an output
-without requests) and an engine core that pipelines steps (a batch queue) leave ``post_step`` as vLLM wrote it. The worker's drafts stay where they were, so a
-``take_draft_token_ids`` call still returns them.
+without requests) and an engine core that pipelines steps (a batch queue) leave ``post_step`` as vLLM wrote it.
+The worker's drafts stay where they were, so a ``take_draft_token_ids`` call still returns them.
 """
 from __future__ import annotations
 

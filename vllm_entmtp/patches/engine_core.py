@@ -3,8 +3,8 @@
 vLLM 0.32 without async scheduling asks the workers for a step's draft tokens in a call of its own after the step
 (``EngineCore.post_step`` -> ``model_executor.take_draft_token_ids()``): one more round trip between the engine
 core and the worker processes every step, whether anything was drafted or not. Served on a 2-core CPU
-(2026-12-03, bfloat16, 32 running) it took 2.5 ms a step, about 8 % of a one-request step and 2 % of a 32-request
-step, where plain decoding's ``post_step`` does nothing.
+(2026-12-03, bfloat16, 32 running) it took 2.5 ms a step, 2-3 % of that step (and, if it costs the same with one
+request, 8 % of a one-request step), where plain decoding's ``post_step`` does nothing.
 
 Here the worker puts the same :class:`vllm.v1.outputs.DraftTokenIds` (what ``take_draft_token_ids`` returns, None
 when nothing was drafted) on the step's ``ModelRunnerOutput`` as :data:`ATTR` (:func:`attach_drafts`, called by the

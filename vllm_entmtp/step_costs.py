@@ -77,6 +77,11 @@ COMPARE_MIN_PLAIN = 4
 YIELD_MIN_STEPS = 8
 
 
+def _rate(obs) -> float:
+    """Tokens per second over ``(tokens, seconds)`` observations."""
+    return sum(t for t, _ in obs) / sum(s for _, s in obs)
+
+
 class StepCosts:
     """Recent step times by rows verified and drafting times by batch size (seconds)."""
 
@@ -134,8 +139,7 @@ class StepCosts:
                     if len(obs) >= need and abs(b - batch_size) <= max(2, batch_size // 4)]
             if not near:
                 return None
-            obs = table[min(near, key=lambda b: (abs(b - batch_size), -b))]
-            out.append(sum(t for t, _ in obs) / sum(s for _, s in obs))
+            out.append(_rate(table[min(near, key=lambda b: (abs(b - batch_size), -b))]))
         return out[0], out[1]
 
     def drafting_loses(self, batch_size: int) -> bool:
@@ -147,8 +151,8 @@ class StepCosts:
         Where that is not measured near ``batch_size``, the verdict of the largest smaller batch size that has
         one (:data:`COMPARE_MIN_DRAFTING` and :data:`COMPARE_MIN_PLAIN` steps of its own) stands if it lost: as
         the batch grows a draft row costs more (the step becomes compute-bound) and a plain token less, so where
-        drafting lost at 16 requests it is not tried afresh at 32 (2026-12-03, served, GSM8K, bfloat16: entmtp
-        drafted its way to a verdict at 32 running and ran 0.90-0.94x plain there while it rested at 16); the
+        drafting lost at 16 requests it is not tried afresh at 32 (each new batch size would otherwise pay
+        :data:`COMPARE_MIN_DRAFTING` drafted steps before it can rest; not measured on its own); the
         exploring steps (:meth:`needs_exploration`) still measure drafting at ``batch_size``, and its own verdict
         replaces the inherited one once it has the steps. False with neither."""
         rates = self.step_rates(batch_size)
@@ -167,7 +171,7 @@ class StepCosts:
             obs = self._steps[drafted].get(batch_size)
             if obs is None or len(obs) < need:
                 return None
-            out.append(sum(t for t, _ in obs) / sum(s for _, s in obs))
+            out.append(_rate(obs))
         return out[0], out[1]
 
     def heads_yield(self, batch_size: int) -> float | None:

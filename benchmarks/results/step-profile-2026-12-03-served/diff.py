@@ -9,14 +9,10 @@ def load(path):
         n = int(n); total += n
         seen = set()
         for fr in stack.split(';'):
-            name = re.sub(r' \(.*?:\d+\)$', '', fr)  # drop line numbers
-            m = re.match(r'(.*) \((.*)\)', fr)
-            key = fr.split(':')[0] if False else re.sub(r':\d+\)', ')', fr)
+            key = re.sub(r':\d+\)', ')', fr)  # the frame without its line number
             if key not in seen:
                 seen.add(key); incl[key] += n
     return incl, total
-def steps(log):
-    return sum(1 for l in open(log) if 'iteration elapsed time' in l.lower() or 'Iteration(' in l)
 a, b = sys.argv[1], sys.argv[2]   # name prefixes, e.g. /tmp/prof/plain /tmp/prof/entmtp
 for part in ('ec', 'wk'):
     ia, ta = load(f'{a}.{part}.txt'); ib, tb = load(f'{b}.{part}.txt')

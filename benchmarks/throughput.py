@@ -79,6 +79,19 @@ SPEC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 TREE_PREFIXES = ("vllm_entmtp", "vllm:entmtp", "entmtp")
 SUMMED_LABELS = frozenset({"engine", "model_name"})  # summed over (one series per engine / served model)
 
+
+def settle_s(snapshot: Snapshot | None) -> float:
+    """Seconds to wait, once requests have stopped, before ``/metrics`` counts all their steps: for a server with
+    spec-decode counters (entmtp's among them), the entmtp drafters' publication interval (``PUBLISH_INTERVAL_S``,
+    ``vllm_entmtp/metrics.py``: they write their counters at most that often) plus a margin; else 0. A level's
+    duration does not include the wait."""
+    if snapshot is None or not any(name.startswith((SPEC_PREFIX, *TREE_PREFIXES)) for name in snapshot):
+        return 0.0
+    from vllm_entmtp.metrics import PUBLISH_INTERVAL_S
+
+    return PUBLISH_INTERVAL_S + 0.5
+
+
 LabelKey = tuple  # sorted ((label, value), ...) pairs
 Snapshot = dict  # sample name -> {LabelKey: value}
 
@@ -702,13 +715,18 @@ async def run_benchmark(cfg: Config, prompts: list[list[dict]]) -> dict:
             if not rec.success:
                 raise BenchmarkError(f"warm-up request to {url} failed: {rec.error}")
         levels = []
+        before = await fetch_metrics(session, cfg.base_url)
+        wait = settle_s(before)
+        if wait:  # the warm-up's steps are published before the first level counts from here
+            await asyncio.sleep(wait)
+            before = await fetch_metrics(session, cfg.base_url)
         for level in cfg.levels:
             c, rate = level["concurrency"], level["request_rate"]
             desc = f"concurrency {c}" if rate is None else f"rate {rate:g}/s"
-            before = await fetch_metrics(session, cfg.base_url)
             records, duration = await run_level(
                 session, url, payloads, cfg.requests_at(c, len(prompts)), c, rate, cfg.max_seconds,
                 cfg.seed if cfg.seed is not None else 0, cfg.progress, desc)
+            await asyncio.sleep(wait)  # the level's last steps are published
             after = await fetch_metrics(session, cfg.base_url)
             result = {"concurrency": c, "request_rate": rate if rate is None or math.isfinite(rate) else "inf"}
             result.update(summarize(records, duration))
@@ -718,6 +736,7 @@ async def run_benchmark(cfg: Config, prompts: list[list[dict]]) -> dict:
             result["tree_choice_shares"] = tree_choice_shares(result["tree_choice"])
             result["draft_sources"] = draft_sources(result["tree_choice"])
             levels.append(result)
+            before = after  # nothing runs between levels
     config = cfg.as_json() | {"model": model, "url": url, "num_prompts": len(prompts)}
     return {"config": config, "machine": machine_info(), "date": datetime.now(timezone.utc).isoformat(),
             "levels": levels}

@@ -143,6 +143,17 @@ def test_spec_decode_delta_without_drafts_and_without_spec_decode():
     assert plain == {} and tp.spec_decode_delta(plain, plain) is None and tp.tree_choice_delta(plain, plain) == {}
 
 
+def test_metrics_settle_only_for_servers_with_drafters():
+    """A speculative server's counters are read once its drafters have published the level's last steps (entmtp
+    writes them at most every PUBLISH_INTERVAL_S); a plain server's, or none, at once."""
+    from vllm_entmtp.metrics import PUBLISH_INTERVAL_S
+
+    spec = tp.parse_metrics(SpecCounters().text())
+    tree = {"vllm:entmtp_tree_chosen_total": {(("tree", "b0n1"),): 3.0}}
+    assert tp.settle_s(spec) == tp.settle_s(tree) == PUBLISH_INTERVAL_S + 0.5
+    assert tp.settle_s({}) == tp.settle_s(None) == 0.0
+
+
 # ------------------------------------------------------------------------------------------ arguments, prompts
 def test_parse_load_levels():
     assert tp.parse_concurrency("1,4, 16,64") == [1, 4, 16, 64]

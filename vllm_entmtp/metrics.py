@@ -109,8 +109,12 @@ def publish(stats: dict, directory: str | Path | None = None) -> None:
                 logging.getLogger("vllm.entmtp").warning("entmtp metrics: writing multiprocess counters failed: %r", e)
 
 
-#: How often, at most, :class:`Publisher` writes the drafter's counters while the engine steps (seconds).
-PUBLISH_INTERVAL_S = 0.1
+#: How often, at most, :class:`Publisher` writes the drafter's counters while the engine steps (seconds). A write
+#: (a snapshot of the counters with their correlations, JSON, a file and a rename) holds the GIL in the worker, whose
+#: model runs on one core under ``vllm serve`` on small CPUs: at 0.1 s it took about 0.45 ms of CPU per engine step
+#: at one request (py-spy, ``benchmarks/results/step-profile-2026-12-03-served/``). Prometheus scrapes every 15 s by
+#: default and vLLM logs its own stats every 10 s, so a second of lag costs nothing.
+PUBLISH_INTERVAL_S = 1.0
 
 
 class Publisher:

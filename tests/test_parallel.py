@@ -10,6 +10,7 @@ reach ``/metrics`` (served in Prometheus' multiprocess mode there) summed over t
 import json
 import os
 import sys
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +20,7 @@ import pytest
 from conftest import load_benchmark
 
 from test_lossless import _prompts, _run
+from vllm_entmtp.metrics import PUBLISH_INTERVAL_S
 from vllm_entmtp.request_options import REQUEST_TREE_KEY
 
 pytestmark = pytest.mark.engine
@@ -89,8 +91,9 @@ def test_data_parallel_serves_entmtp_with_its_metrics(tmp_path, default_model, m
     with Server(cmd, tmp_path / "server.log", port, 900, "entmtp-dp2") as server:
         with ThreadPoolExecutor(8) as pool:  # several at once: the front ends spread them over both engines
             drafted = list(pool.map(chat, [(m, 99) for m in convs]))
-            # after the drafted requests: their counters are published (within 0.1 s) before the scrape below
             undrafted = list(pool.map(chat, [(m, 0) for m in convs]))
+        # the drafters publish their counters at most every PUBLISH_INTERVAL_S: scrape once that has passed
+        time.sleep(PUBLISH_INTERVAL_S + 0.5)
         with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as resp:
             metrics = parse_metrics(resp.read().decode())
     assert drafted == undrafted

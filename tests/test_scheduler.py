@@ -541,6 +541,30 @@ def test_drafting_is_measured_again_where_it_does_not_pay():
     assert s.drafting_pays(1, c)
 
 
+def test_drafting_is_explored_sooner_where_no_step_of_more_rows_is_measured():
+    """A batch size larger than any drafted step so far: its draft rows are extrapolated at a plain token's cost
+    each, so no draft pays there until a drafted step of more rows is measured. The drafter explores every
+    EXPLORE_UNMEASURED_EVERY steps until then, and every PROBE_EVERY steps after."""
+    from vllm_entmtp.step_costs import EXPLORE_UNMEASURED_EVERY, PROBE_EVERY, StepCosts
+
+    assert EXPLORE_UNMEASURED_EVERY < PROBE_EVERY
+    s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
+    c = StepCosts()
+    for rows, t in ((1, 0.012), (3, 0.014), (16, 0.020)):  # a warm-up at one request, a probe at sixteen
+        for _ in range(3):
+            c.record_rows(rows, t)
+    c.record_draft(16, 0.0015)
+    assert not s.drafting_pays(16, c)  # 17+ rows: 20 ms / 16 rows = 1.25 ms a draft row, a plain token's cost
+    explored = [c.needs_exploration(16) for _ in range(EXPLORE_UNMEASURED_EVERY)]
+    assert explored == [False] * (EXPLORE_UNMEASURED_EVERY - 1) + [True]
+    for _ in range(3):
+        c.record_rows(24, 0.022)  # what the exploring step measured: 8 draft rows for 2 ms
+    assert s.drafting_pays(16, c)
+    explored = [c.needs_exploration(16) for _ in range(PROBE_EVERY)]
+    assert explored.index(True) == PROBE_EVERY - 1  # measured above: the usual period
+    assert [c.needs_exploration(1) for _ in range(PROBE_EVERY)].index(True) == PROBE_EVERY - 1
+
+
 def test_the_heads_stop_where_their_realised_yield_is_below_plain_decodings():
     """At 16 requests the calibration's best acceptance says drafting can pay, but the steps that ran the heads got
     1 accepted token for 5 ms they added (200 tokens/s) against the plain step's 16 in 30 ms (533 tokens/s): no

@@ -25,7 +25,9 @@ pays, the heads never ran again, so the estimate never changed and the server dr
 
 * the first observation of a row count or a batch size is dropped when the second arrives (it carries one-time
   costs: kernels built for a new shape, memory first touched); alone, it stands;
-* where drafting does not pay, every :data:`PROBE_EVERY` such steps of a batch size the drafter drafts anyway
+* where drafting does not pay, every :data:`PROBE_EVERY` such steps of a batch size (every
+  :data:`EXPLORE_UNMEASURED_EVERY` while no step of more rows than the batch is measured: the extrapolation above
+  prices each draft row there at a plain token, so no draft could pay) the drafter drafts anyway
   (:meth:`StepCosts.needs_exploration`, under the default cap of verified rows, or the ladder's smallest tree
   where the cap leaves no room), so that the drafting time and the
   draft rows' costs are measured again.
@@ -67,6 +69,12 @@ from collections import deque
 WINDOW = 16
 #: A batch size's no-draft time is measured again after this many of its steps.
 PROBE_EVERY = 64
+#: Where no step of more rows than a batch size is measured, it explores drafting every this many steps in which
+#: no draft pays (:meth:`StepCosts.needs_exploration`). Served on the 2-core EPYC (2026-12-03, bfloat16, GSM8K, a
+#: fresh server, 64 requests a level; ``benchmarks/results/load-learning-2026-12-03/``): at one exploring step in
+#: 64, the first level at 16 running drafted in 2-3 % of its request-steps (three servers); at one in 8, in 16 and
+#: 56 % (two servers).
+EXPLORE_UNMEASURED_EVERY = 8
 #: Measured row counts it takes to fit a line to the step time near a batch (:meth:`StepCosts.curve`).
 FIT_MIN_POINTS = 3
 #: Decode steps that verified draft tokens, and steps that verified none, that it takes to compare the two at a
@@ -215,9 +223,14 @@ class StepCosts:
 
     def needs_exploration(self, batch_size: int) -> bool:
         """Called on a step of ``batch_size`` requests in which no draft pays: whether to draft anyway, to measure
-        drafting again (every :attr:`probe_every` such steps of that batch size). Counts the step."""
+        drafting again (every :attr:`probe_every` such steps of that batch size; every
+        :data:`EXPLORE_UNMEASURED_EVERY` while no step of more rows than ``batch_size`` is measured, as there the
+        rows' curve is extrapolated at a plain token's cost per draft row, so that no draft can pay until a
+        drafted step has been measured). Counts the step."""
         n = self._since_draft.get(batch_size, 0) + 1
-        if n < self.probe_every:
+        every = self.probe_every if any(r > batch_size for r in self._rows) else min(EXPLORE_UNMEASURED_EVERY,
+                                                                                      self.probe_every)
+        if n < every:
             self._since_draft[batch_size] = n
             return False
         self._since_draft[batch_size] = 0

@@ -368,8 +368,9 @@ class EntMTPProposer(MedusaProposer):
         (or where steps that verified drafts have emitted fewer tokens per second than steps that verified none:
         :meth:`~vllm_entmtp.step_costs.StepCosts.drafting_loses`; then prompt lookup does not search either),
         drafts nothing and runs no head (unless a request holds itself to a tree; and every
-        :data:`~vllm_entmtp.step_costs.PROBE_EVERY` steps that do not pay, drafting is measured again: the
-        schedule drafts under the default cap). With prompt lookup
+        :data:`~vllm_entmtp.step_costs.PROBE_EVERY` steps that do not pay, or every
+        :data:`~vllm_entmtp.step_costs.EXPLORE_UNMEASURED_EVERY` while no step of more rows than the batch is
+        measured, drafting is measured again: the schedule drafts under the default cap). With prompt lookup
         (``draft_sources``), each request's lookup chain is weighed against the heads' draft
         (:meth:`~vllm_entmtp.scheduler.TreeScheduler.fit_lookup`); when every drafting request's lookup draft
         beats what the heads could expect, the heads do not run."""
@@ -382,7 +383,7 @@ class EntMTPProposer(MedusaProposer):
         self._proposed_free = free
         probe = costs is not None and free and costs.needs_probe(n)
         # where the steps that verified drafts have emitted fewer tokens per second than those that verified none,
-        # nothing is drafted (no lookup search, no head), but every PROBE_EVERY steps the schedule explores
+        # nothing is drafted (no lookup search, no head), but now and then the schedule explores (needs_exploration)
         resting = costs is not None and free and not probe and costs.drafting_loses(n)
         explore = resting and costs.needs_exploration(n)  # drafting is measured again (StepCosts)
         rest = resting and not explore

@@ -16,8 +16,9 @@ expected accepted tokens per second of extra step time beat the step's own token
 Where a batch size's plain step is neither measured (a step without draft tokens at that many rows) nor
 between two measured row counts, the drafter makes a *probe*: one step of that batch without drafts
 (:meth:`StepCosts.needs_probe`); a measured batch size is probed again every :data:`PROBE_EVERY` of its steps, so
-that the costs follow the contexts as they grow. Rows beyond the largest measured count are extrapolated, not
-explored: where that is pessimistic the rule drafts less than it could, never more.
+that the costs follow the contexts as they grow. Rows beyond the largest measured count are extrapolated (no
+less steeply than the mean time per row), not probed: where that is pessimistic the rule drafts less than it
+could, never more, until an exploring step (below) measures a step of more rows.
 
 Two guards keep one bad observation from stopping the drafts for good (seen 2026-12-02 on a served bfloat16
 engine: the heads' first call took 237 ms, against about 2 ms after, and since the rule then found that no draft
@@ -225,8 +226,10 @@ class StepCosts:
         """Called on a step of ``batch_size`` requests in which no draft pays: whether to draft anyway, to measure
         drafting again (every :attr:`probe_every` such steps of that batch size; every
         :data:`EXPLORE_UNMEASURED_EVERY` while no step of more rows than ``batch_size`` is measured, as there the
-        rows' curve is extrapolated at a plain token's cost per draft row, so that no draft can pay until a
-        drafted step has been measured). Counts the step."""
+        rows' curve prices a draft row at no less than a plain token, so that no draft can pay until a step of more
+        rows has been measured). The same holds where drafting rests on a loss inherited from a smaller batch size
+        (:meth:`drafting_loses`): there too the first exploring step comes sooner, and once it has measured a step
+        of more rows the usual period applies. Counts the step."""
         n = self._since_draft.get(batch_size, 0) + 1
         every = self.probe_every if any(r > batch_size for r in self._rows) else min(EXPLORE_UNMEASURED_EVERY,
                                                                                       self.probe_every)

@@ -28,7 +28,7 @@ pays, the heads never ran again, so the estimate never changed and the server dr
   costs: kernels built for a new shape, memory first touched); alone, it stands;
 * where drafting does not pay, every :data:`PROBE_EVERY` such steps of a batch size (every
   :data:`EXPLORE_UNMEASURED_EVERY` while no step of more rows than the batch is measured: the extrapolation above
-  prices each draft row there at a plain token, so no draft could pay) the drafter drafts anyway
+  prices each draft row there at no less than a plain token, so no draft could pay) the drafter drafts anyway
   (:meth:`StepCosts.needs_exploration`, under the default cap of verified rows, or the ladder's smallest tree
   where the cap leaves no room), so that the drafting time and the
   draft rows' costs are measured again.

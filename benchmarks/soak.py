@@ -20,9 +20,10 @@ The report (printed, and ``--result-json``):
   tests hold equal to plain decoding), 16 at a time (in float32 the batch does not change greedy output); its
   text must be the same;
 * ``requests_with_state_after``: ``vllm:entmtp_requests_with_state`` after one probe request sent once the load
-  is over and the server holds no request (the drafter's per-request state; only the probe's own may remain: at
-  most 1); ``idle_after_load``: whether the server held no request within 60 s of the load's end (must be true:
-  a request whose client went away is aborted);
+  is over and the server holds no request, read once the drafters have published (``throughput.settle_s``; the
+  drafter's per-request state; only the probe's own may remain: at most 1); ``idle_after_load``: whether the
+  server held no request within 60 s of the load's end (must be true: a request whose client went away is
+  aborted);
 * ``preemptions`` (``vllm:num_preemptions_total`` during the run), ``spec_decode`` counters;
 * ``rss_mib``: resident memory of the server's processes (``--serve``, or ``--server-pid``: its process group)
   after warm-up (``--warmup`` s) and at the end, their ratio (flat: within 5 %), and every 30 s by process
@@ -231,6 +232,9 @@ async def soak(args, base_url: str, pgid: int | None) -> tuple[dict, list[tuple[
         # request, then the drafter's per-request state (only the probe's may remain)
         idle = await wait_until_idle(session, base_url)
         await complete(session, url, payload(model, ps[0][1], {"temperature": 0}, 4, seed=0))
+        # the drafters write their counters and gauge at most every PUBLISH_INTERVAL_S: the probe's steps (which
+        # free the aborted requests' state) reach /metrics once that has passed
+        await asyncio.sleep(tp.settle_s(before))
         after = await tp.fetch_metrics(session, base_url, METRIC_PREFIXES)
     report = {
         **counts, "error_messages": errors, "seconds": round(seconds, 1), "idle_after_load": idle,

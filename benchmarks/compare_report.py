@@ -73,7 +73,9 @@ def render_report(doc: dict) -> str:
             "run, on the same machine, with the same prompts and settings. Compare the methods with each other "
             "(the `vs` columns); never compare these numbers with those of another run or machine."]
     if s.get("paired"):
-        out += ["", "Methods ran paired (`--paired`): every method's server was started once and they took turns, "
+        started = ("started anew every repeat (`--fresh-servers`)" if s.get("fresh_servers")
+                   else "started once")
+        out += ["", f"Methods ran paired (`--paired`): every method's server was {started} and they took turns, "
                 "level by level, their order rotated from one level to the next; a server waited idle while another "
                 "was measured."]
     if multi:

@@ -85,51 +85,59 @@ def run_paired(s: Settings, model: str, vllm: str, runs: list[dict]) -> None:
     """Serves every method at once (ports ``s.port``, ``s.port + 1``, ...; a server waits idle while another is
     measured), runs :func:`paired_schedule` level by level, stops the servers; appends to ``runs`` one run record per
     method, task and repeat as :func:`run_method` writes them (each as soon as its first level ran, so that an
-    interrupted run keeps what it measured).
+    interrupted run keeps what it measured). With ``s.fresh_servers`` every repeat starts the servers anew (and
+    stops them after it).
 
     A method's level then runs seconds, not minutes, after the other methods' run of it, where one server per
     method at a time puts minutes of start-up between them: on a shared 2-core machine the speed drifts by up to
-    20 % over such spans (``benchmarks/results/compare-2026-12-02j/``)."""
+    20 % over such spans (``benchmarks/results/compare-2026-12-02j/``). Fresh servers every repeat: two processes
+    of the same server differ in speed by up to 7 % for as long as they run (``benchmarks/results/
+    instance-spread-2026-12-03/``), which one server per method puts on the method."""
     records: dict[tuple[int, str, str], dict] = {}
     prompts: dict[str, list] = {}
-    warmed: set[str] = set()
-    with ExitStack() as stack:
-        servers = {}
-        for i, m in enumerate(s.methods):
-            cmd = serve_command(vllm, model, m, s.port + i, s.enforce_eager, s.serve_args)
-            log = s.out / "servers" / f"paired-{m.name}.log"
-            print(f"[compare] starting {m.name} on port {s.port + i} (log {log})", flush=True)
-            servers[m.name] = stack.enter_context(Server(cmd, log, s.port + i, s.startup_timeout, m.name))
-            print(f"[compare]   {m.name} ready after {servers[m.name].startup_s:.0f} s", flush=True)
-        runtimes = {name: server.runtime() for name, server in servers.items()}
-        for repeat, task, c, position, m in paired_schedule(s.methods, s.tasks, s.concurrency, s.repeats):
-            server = servers[m.name]
-            cfg = throughput_config(s, server.base_url, task, warmup=0 if m.name in warmed else 1, concurrency=[c])
-            warmed.add(m.name)
-            if task not in prompts:
-                prompts[task] = tp.load_benchmark_prompts(task, prompts_needed(s))
-            t0 = time.monotonic()
-            result = asyncio.run(tp.run_benchmark(cfg, prompts[task]))
-            rec = records.get((repeat, m.name, task))
-            if rec is None:
-                rec = records[repeat, m.name, task] = {
-                    "method": m.name, "speculative_config": m.spec, "task": task, "repeat": repeat,
-                    "position": position, "server_startup_s": server.startup_s, "server_log": str(server.log),
-                    "server_runtime": runtimes[m.name], "wall_s": 0.0, "paired": True, "positions": {}, "levels": []}
-                runs.append(rec)
-            rec["wall_s"] += time.monotonic() - t0
-            rec["positions"][str(c)] = position
-            rec["server_peak_rss_mib"] = server.peak_rss_mib()
-            for k, v in result.items():  # the first level's config, machine and date, as run_method's records
-                if k != "levels":
-                    rec.setdefault(k, v)
-            rec["levels"] += result["levels"]
-            raw = s.out / "raw" / f"r{repeat}-{m.name}-{task}.json"
-            raw.parent.mkdir(parents=True, exist_ok=True)
-            raw.write_text(portable(json.dumps(rec, indent=2)) + "\n")
-            lv = result["levels"][0]
-            print(f"[compare]   repeat {repeat + 1}/{s.repeats}, {task}, c{c}: {m.name} "
-                  f"{tp._fmt(lv['output_throughput'], '.1f')} tok/s", flush=True)
+    schedule = paired_schedule(s.methods, s.tasks, s.concurrency, s.repeats)
+    groups = [[e for e in schedule if e[0] == r] for r in range(s.repeats)] if s.fresh_servers else [schedule]
+    for group in groups:
+        with ExitStack() as stack:
+            servers, warmed = {}, set()
+            tag = f"r{group[0][0]}-" if s.fresh_servers and group else ""
+            for i, m in enumerate(s.methods):
+                cmd = serve_command(vllm, model, m, s.port + i, s.enforce_eager, s.serve_args)
+                log = s.out / "servers" / f"paired-{tag}{m.name}.log"
+                print(f"[compare] starting {m.name} on port {s.port + i} (log {log})", flush=True)
+                servers[m.name] = stack.enter_context(Server(cmd, log, s.port + i, s.startup_timeout, m.name))
+                print(f"[compare]   {m.name} ready after {servers[m.name].startup_s:.0f} s", flush=True)
+            runtimes = {name: server.runtime() for name, server in servers.items()}
+            for repeat, task, c, position, m in group:
+                server = servers[m.name]
+                cfg = throughput_config(s, server.base_url, task, warmup=0 if m.name in warmed else 1,
+                                        concurrency=[c])
+                warmed.add(m.name)
+                if task not in prompts:
+                    prompts[task] = tp.load_benchmark_prompts(task, prompts_needed(s))
+                t0 = time.monotonic()
+                result = asyncio.run(tp.run_benchmark(cfg, prompts[task]))
+                rec = records.get((repeat, m.name, task))
+                if rec is None:
+                    rec = records[repeat, m.name, task] = {
+                        "method": m.name, "speculative_config": m.spec, "task": task, "repeat": repeat,
+                        "position": position, "server_startup_s": server.startup_s, "server_log": str(server.log),
+                        "server_runtime": runtimes[m.name], "wall_s": 0.0, "paired": True, "positions": {},
+                        "levels": []}
+                    runs.append(rec)
+                rec["wall_s"] += time.monotonic() - t0
+                rec["positions"][str(c)] = position
+                rec["server_peak_rss_mib"] = server.peak_rss_mib()
+                for k, v in result.items():  # the first level's config, machine and date, as run_method's records
+                    if k != "levels":
+                        rec.setdefault(k, v)
+                rec["levels"] += result["levels"]
+                raw = s.out / "raw" / f"r{repeat}-{m.name}-{task}.json"
+                raw.parent.mkdir(parents=True, exist_ok=True)
+                raw.write_text(portable(json.dumps(rec, indent=2)) + "\n")
+                lv = result["levels"][0]
+                print(f"[compare]   repeat {repeat + 1}/{s.repeats}, {task}, c{c}: {m.name} "
+                      f"{tp._fmt(lv['output_throughput'], '.1f')} tok/s", flush=True)
 
 
 def machine_description() -> dict:

@@ -37,6 +37,7 @@ class Settings:
     serve_args: list[str]
     startup_timeout: float
     paired: bool = False
+    fresh_servers: bool = False  # paired: every repeat starts the servers anew
 
     def as_json(self) -> dict:
         out = {k: v for k, v in vars(self).items() if k not in ("methods", "out")}
@@ -58,6 +59,10 @@ def make_settings(args: argparse.Namespace, available: dict[str, Method], skippe
     if not 1 <= args.port <= 65535:
         raise BenchmarkError(f"--port must be 1..65535, got {args.port}")
     paired = bool(getattr(args, "paired", False))
+    fresh = bool(getattr(args, "fresh_servers", False))
+    if fresh and not paired:
+        raise BenchmarkError("--fresh-servers restarts the servers of --paired every repeat; pass --paired too "
+                             "(without it every repeat starts its servers anew already)")
     if not args.startup_timeout > 0:
         raise BenchmarkError(f"--startup-timeout must be > 0, got {args.startup_timeout}")
     try:
@@ -92,4 +97,4 @@ def make_settings(args: argparse.Namespace, available: dict[str, Method], skippe
         num_requests=pick["num_requests"], max_tokens=pick["max_tokens"], repeats=args.repeats,
         ignore_eos=args.ignore_eos, port=args.port, out=Path(args.out or f"runs/compare-{stamp}"),
         quick=args.quick, enforce_eager=args.enforce_eager, serve_args=serve_args,
-        startup_timeout=args.startup_timeout, paired=paired)
+        startup_timeout=args.startup_timeout, paired=paired, fresh_servers=fresh)

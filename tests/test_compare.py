@@ -2,6 +2,7 @@
 arguments and the server wrapper (no vLLM server is started)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import sys
@@ -206,6 +207,33 @@ def test_run_paired_serves_every_method_once_and_takes_turns(tmp_path, monkeypat
     assert rows["entmtp", 4]["ratios"]["plain"]["mean"] == pytest.approx(2.0)
 
 
+def test_run_paired_with_fresh_servers_starts_them_anew_every_repeat(tmp_path, monkeypatch):
+    servers, calls = FakeServers(), []
+    monkeypatch.setattr(crun, "Server", servers)
+    monkeypatch.setattr(tp, "load_benchmark_prompts", lambda task, k: [[{"role": "user", "content": "x"}]] * k)
+
+    async def fake_run(cfg, prompts):
+        (c,) = [lv["concurrency"] for lv in cfg.levels]
+        calls.append((int(cfg.base_url.rsplit(":", 1)[1]), c, cfg.warmup_requests, len(servers.stopped)))
+        return {"config": {}, "levels": [level(c, 10.0)]}
+
+    monkeypatch.setattr(tp, "run_benchmark", fake_run)
+    runs: list = []
+    s = dataclasses.replace(paired_settings(tmp_path, repeats=2), fresh_servers=True)
+    crun.run_paired(s, "model", "vllm", runs)
+    assert servers.started == [("plain", 9000), ("entmtp", 9001)] * 2
+    assert len(servers.stopped) == 4
+    # repeat 0 runs before any server stopped, repeat 1 after both of repeat 0's; each fresh server warms up once
+    assert calls == [(9000, 1, 1, 0), (9001, 1, 1, 0), (9001, 4, 0, 0), (9000, 4, 0, 0),
+                     (9001, 1, 1, 2), (9000, 1, 1, 2), (9000, 4, 0, 2), (9001, 4, 0, 2)]
+    assert {r["server_log"].rsplit("/", 1)[1] for r in runs} == {
+        f"paired-r{r}-{m}.log" for r in (0, 1) for m in ("plain", "entmtp")}
+    doc = hand_doc(hand_runs())
+    doc["settings"].update(paired=True, fresh_servers=True)
+    doc["aggregate"] = agg.aggregate(doc["runs"])
+    assert "started anew every repeat (`--fresh-servers`)" in rep.render_report(doc)
+
+
 def test_run_paired_interrupted_keeps_what_it_measured_and_stops_the_servers(tmp_path, monkeypatch):
     servers, n = FakeServers(), []
     monkeypatch.setattr(crun, "Server", servers)
@@ -259,6 +287,7 @@ def test_quick_defaults_and_overrides(checkout):
     s = settings(table, [])
     assert (s.tasks, s.concurrency, s.repeats, s.port) == (list(cm.TASKS), [1, 4, 16], 1, 8123)
     assert not s.paired and settings(table, ["--paired"]).paired
+    assert not s.fresh_servers and settings(table, ["--paired", "--fresh-servers"]).fresh_servers
 
 
 def test_per_task_tree_sets_run_their_own_task_only(checkout):
@@ -295,6 +324,7 @@ def test_default_out_dir(checkout):
     (["--port", "70000"], "--port must be 1..65535"),
     (["--paired", "--methods", "plain,entmtp", "--port", "65535"], "--paired serves 2 methods on ports 65535..65536"),
     (["--startup-timeout", "0"], "--startup-timeout must be > 0"),
+    (["--fresh-servers"], "--fresh-servers restarts the servers of --paired every repeat; pass --paired too"),
     (["--serve-args", "'unclosed"], "--serve-args"),
 ])
 def test_bad_arguments(checkout, argv, message):

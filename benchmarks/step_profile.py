@@ -61,9 +61,24 @@ def summarize(records: list[dict], concurrency: int) -> dict:
     dec = [r for r in records if r.get("reqs") == concurrency and r.get("rows") == concurrency + r.get("spec", 0)]
     if not dec:
         raise ValueError(f"no step decoded exactly {concurrency} requests ({len(records)} steps recorded)")
+    def medians(steps: list[dict]) -> dict:
+        return {p: round(1000 * statistics.median(r.get(p, 0.0) for r in steps), 3) for p in PHASES + SUB_PHASES}
+
+    kinds: dict[str, list[dict]] = {}
+    for r in dec:
+        kinds.setdefault(step_kind(r), []).append(r)
     return {"decode_steps": len(dec), "rows": round(statistics.mean(r["rows"] for r in dec), 3),
-            "median_ms": {p: round(1000 * statistics.median(r.get(p, 0.0) for r in dec), 3)
-                          for p in PHASES + SUB_PHASES}}
+            "median_ms": medians(dec),
+            "by_kind": {k: {"steps": len(v), "rows": round(statistics.mean(r["rows"] for r in v), 3),
+                            "median_ms": medians(v)} for k, v in sorted(kinds.items())}}
+
+
+def step_kind(record: dict) -> str:
+    """A decode step's kind: ``verified drafts`` or ``no draft tokens`` (draft tokens scheduled in the step or
+    not), ``+ heads`` where the heads ran in it (for the next step's drafts), as in ``by_kind`` of
+    :func:`summarize`: a step that verifies nothing may still pay for the heads."""
+    return ("verified drafts" if record.get("spec") else "no draft tokens") + (" + heads" if record.get("heads")
+                                                                              else "")
 
 
 def time_split(records: list[dict], wall: float, concurrency: int) -> dict:
@@ -118,6 +133,13 @@ def format_table(results: list[dict]) -> str:
         cells = [f"{ms.get(p, 0.0):.2f}" + (f" ({ms.get(p, 0.0) - base.get(p, 0.0):+.2f})"
                                              if r is not results[0] else "") for p in phases]
         out.append(f"| {r['method']} | {r['tokens_per_s']:.2f} | {r['rows']:.2f} | " + " | ".join(cells) + " |")
+    kinds = [(r["method"], k, v) for r in results for k, v in r.get("by_kind", {}).items()]
+    if any(k != "no draft tokens" for _, k, _ in kinds):  # a speculative method: its steps by kind
+        out += ["", "By step kind (median ms; `+ heads`: the heads ran in the step):", "",
+                "| method | kind | steps | rows | " + " | ".join(phases) + " |",
+                "|---|---|" + "---:|" * (len(phases) + 2)]
+        out += [f"| {m} | {k} | {v['steps']} | {v['rows']:.2f} | "
+                + " | ".join(f"{v['median_ms'].get(p, 0.0):.2f}" for p in phases) + " |" for m, k, v in kinds]
     return "\n".join(out) + "\n"
 
 

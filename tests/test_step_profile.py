@@ -28,6 +28,28 @@ def test_summary_keeps_only_steps_where_every_request_decodes():
         sp.summarize(recs, 4)
 
 
+def test_summary_splits_steps_by_verified_drafts_and_whether_the_heads_ran():
+    recs = [_rec(1, 1, 0, step=40.0),                     # nothing verified, the heads idle
+            _rec(1, 1, 0, step=42.0),
+            _rec(1, 1, 0, step=45.0, heads=1.0),           # nothing verified, the heads drafted for the next step
+            _rec(1, 3, 2, step=55.0, heads=1.2),
+            _rec(1, 3, 2, step=51.0)]                      # verified, then rested
+    kinds = sp.summarize(recs, 1)["by_kind"]
+    assert {k: v["steps"] for k, v in kinds.items()} == {
+        "no draft tokens": 2, "no draft tokens + heads": 1, "verified drafts": 1, "verified drafts + heads": 1}
+    assert kinds["no draft tokens"]["median_ms"]["step"] == pytest.approx(41.0)
+    assert kinds["verified drafts + heads"]["rows"] == 3.0
+    assert kinds["no draft tokens + heads"]["median_ms"]["heads"] == pytest.approx(1.0)
+    plain = {"method": "plain", "tokens_per_s": 20.0, "rows": 1.0, "median_ms": dict.fromkeys(sp.PHASES, 10.0),
+             "by_kind": {"no draft tokens": {"steps": 9, "rows": 1.0, "median_ms": dict.fromkeys(sp.PHASES, 10.0)}}}
+    assert "By step kind" not in sp.format_table([plain])  # no speculative method: no second table
+    spec = {**plain, "method": "entmtp", "by_kind": {k: {**v, "median_ms": {**dict.fromkeys(sp.PHASES, 0.0),
+                                                                            **v["median_ms"]}}
+                                                     for k, v in kinds.items()}}
+    text = sp.format_table([plain, spec])
+    assert "| entmtp | no draft tokens + heads | 1 | 1.00 | 45.00 |" in text
+
+
 def test_table_gives_each_phase_against_the_first_method():
     base = {"method": "plain", "tokens_per_s": 20.0, "rows": 1.0, "median_ms": dict.fromkeys(sp.PHASES, 10.0)}
     other = {"method": "entmtp", "tokens_per_s": 21.0, "rows": 2.0,

@@ -1,0 +1,104 @@
+"""Engine step times from the logs of servers run with vLLM's per-iteration details.
+
+    python benchmarks/compare.py --paired --fresh-servers --methods plain-bfloat16,entmtp --tasks gsm8k \\
+        --concurrency 32 --num-requests 32 --max-tokens 128 --ignore-eos --repeats 3 \\
+        --serve-args "--dtype bfloat16 --enable-logging-iteration-details" --out runs/spread
+    python benchmarks/iteration_times.py runs/spread/servers/*.log --requests 32
+
+With ``--enable-logging-iteration-details`` vLLM's API server logs one line per engine step: its context
+(prompt) requests and tokens, its generation requests and tokens (one per request, plus its draft tokens) and the
+step's elapsed time (the workers' forward and sampling, drafting included, as the engine core waits for them;
+not the engine core's own scheduling). A tokens-per-second ratio between two servers mixes the methods with
+whatever else differs between them; these times compare like steps: for each log, the steps in which exactly
+``--requests`` requests decoded and no prompt tokens ran, those without draft tokens (a speculative server that
+drafted nothing: its fixed cost over plain decoding) apart from those with. Both servers must have logged alike
+(the log line costs the API server, not the step).
+
+Output: a Markdown table (one row per log; ``--json`` for the numbers).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+#: vLLM 0.32's line (``vllm/v1/metrics/loggers.py``, ``LoggingStatLogger._log_iteration_details``).
+LINE = re.compile(r"Iteration\((\d+)\): (\d+) context requests, (\d+) context tokens, (\d+) generation requests, "
+                  r"(\d+) generation tokens, iteration elapsed time: ([\d.]+) ms(?! \(dummy\))")
+FIELDS = ("index", "ctx_requests", "ctx_tokens", "gen_requests", "gen_tokens")
+
+
+def parse_iterations(lines) -> list[dict]:
+    """The per-iteration lines of a server log (dummy iterations left out), in order: ``index``, ``ctx_requests``,
+    ``ctx_tokens``, ``gen_requests``, ``gen_tokens`` (ints) and ``ms``."""
+    out = []
+    for line in lines:
+        m = LINE.search(line)
+        if m:
+            out.append({**dict(zip(FIELDS, map(int, m.groups()[:5]))), "ms": float(m.group(6))})
+    return out
+
+
+def _stats(ms: list[float]) -> dict:
+    if not ms:
+        return {"steps": 0, "median_ms": None, "mean_ms": None}
+    return {"steps": len(ms), "median_ms": round(statistics.median(ms), 3), "mean_ms": round(statistics.mean(ms), 3)}
+
+
+def summarize(iterations: list[dict], requests: int) -> dict:
+    """Steps that decoded exactly ``requests`` requests with no prompt tokens: ``no_draft`` (one token each) and
+    ``drafted`` (draft tokens verified too; with their mean ``rows``); and the steps with prompt tokens
+    (``prefill``: how many, their total ms)."""
+    decode = [it for it in iterations if it["ctx_tokens"] == 0 and it["gen_requests"] == requests]
+    plain = [it["ms"] for it in decode if it["gen_tokens"] == requests]
+    drafted = [it for it in decode if it["gen_tokens"] > requests]
+    prefill = [it["ms"] for it in iterations if it["ctx_tokens"] > 0]
+    return {"iterations": len(iterations), "no_draft": _stats(plain),
+            "drafted": _stats([it["ms"] for it in drafted])
+            | {"rows": round(statistics.mean(it["gen_tokens"] for it in drafted), 2) if drafted else None},
+            "prefill": {"steps": len(prefill), "total_ms": round(sum(prefill), 1)}}
+
+
+def format_table(results: dict[str, dict], requests: int) -> str:
+    def cell(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    rows = [f"| log | steps | no draft: steps | median ms | mean ms | drafted: steps | median ms | rows | "
+            f"prefill steps |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        nd, dr = r["no_draft"], r["drafted"]
+        rows.append(f"| {name} | {r['iterations']} | {nd['steps']} | {cell(nd['median_ms'])} | {cell(nd['mean_ms'])} "
+                    f"| {dr['steps']} | {cell(dr['median_ms'])} | {cell(dr['rows'])} | {r['prefill']['steps']} |")
+    return f"Steps of {requests} decoding requests (no prompt tokens), by vLLM's iteration times\n\n" + "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("logs", nargs="+", help="server logs (vllm serve ... --enable-logging-iteration-details)")
+    ap.add_argument("--requests", type=int, default=1, help="decoding requests per step to compare (default 1)")
+    ap.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    args = ap.parse_args(argv)
+    if args.requests < 1:
+        print(f"error: --requests must be >= 1, got {args.requests}", file=sys.stderr)
+        return 2
+    results = {}
+    for log in args.logs:
+        try:
+            its = parse_iterations(Path(log).read_text(errors="replace").splitlines())
+        except OSError as e:
+            print(f"error: {log}: {e}", file=sys.stderr)
+            return 2
+        if not its:
+            print(f"error: {log} has no iteration lines: was the server run with "
+                  f"--enable-logging-iteration-details?", file=sys.stderr)
+            return 2
+        results[Path(log).name] = summarize(its, args.requests)
+    print(json.dumps(results, indent=2) if args.json else format_table(results, args.requests))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""benchmarks/iteration_times.py: reads the per-iteration lines vLLM's own logger writes."""
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+
+from conftest import load_benchmark
+
+it = load_benchmark("iteration_times")
+
+
+def vllm_lines(steps: list[tuple[int, int, int, int, float, bool]]) -> list[str]:
+    """Log lines as vLLM 0.32's LoggingStatLogger writes them for these iterations
+    ``(ctx requests, ctx tokens, gen requests, gen tokens, ms, dummy)``."""
+    from vllm.v1.metrics import loggers
+    from vllm.v1.metrics.stats import SchedulerIterationDetails, SchedulerStats
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(self.format(record))
+
+    log = logging.getLogger("test-iteration-times")
+    log.handlers[:] = [Keep()]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    me = types.SimpleNamespace(_log_prefix_for_engine=lambda idx: "Engine 000: ", kv_cache_device="CPU")
+    orig = loggers.logger
+    loggers.logger = log
+    try:
+        for i, (cr, ct, gr, gt, ms, dummy) in enumerate(steps):
+            stats = SchedulerStats()
+            stats.iteration_details = SchedulerIterationDetails(i, cr, ct, gr, gt, ms, is_dummy=dummy)
+            loggers.LoggingStatLogger._log_iteration_details(me, stats, 0)
+    finally:
+        loggers.logger = orig
+    return [f"(APIServer pid=1) INFO 12-03 16:37:41 [loggers.py:199] {r}" for r in records]
+
+
+def test_vllms_lines_are_read_and_like_steps_compared():
+    lines = vllm_lines([(1, 116, 0, 0, 97.5, False),   # a prompt
+                        (0, 0, 2, 2, 20.0, False),     # two requests decode, no draft tokens
+                        (0, 0, 2, 2, 22.0, False),
+                        (0, 0, 2, 2, 30.0, False),
+                        (0, 0, 2, 5, 25.0, False),     # three draft tokens verified
+                        (0, 0, 1, 1, 9.0, False),      # one request: not a step of two
+                        (1, 40, 1, 1, 50.0, False),    # a prompt chunk beside a decoding request
+                        (0, 0, 0, 0, 0.0, True)])      # a data-parallel dummy iteration
+    its = it.parse_iterations(["unrelated line", *lines])
+    assert [(i["ctx_tokens"], i["gen_requests"], i["gen_tokens"], i["ms"]) for i in its][:2] == [
+        (116, 0, 0, 97.5), (0, 2, 2, 20.0)]
+    assert len(its) == 7  # the dummy iteration is left out
+    s = it.summarize(its, 2)
+    assert s["no_draft"] == {"steps": 3, "median_ms": 22.0, "mean_ms": 24.0}
+    assert s["drafted"] == {"steps": 1, "median_ms": 25.0, "mean_ms": 25.0, "rows": 5.0}
+    assert s["prefill"] == {"steps": 2, "total_ms": 147.5}
+    assert it.summarize(its, 3)["no_draft"]["steps"] == 0
+
+
+def test_cli_table_and_a_log_without_iteration_lines(tmp_path, capsys):
+    good, bad = tmp_path / "a.log", tmp_path / "b.log"
+    good.write_text("\n".join(vllm_lines([(0, 0, 1, 1, 10.0, False), (0, 0, 1, 3, 12.0, False)])) + "\n")
+    bad.write_text("INFO nothing here\n")
+    assert it.main([str(good), "--requests", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| a.log | 2 | 1 | 10.00 | 10.00 | 1 | 12.00 | 3.00 | 0 |" in out
+    assert it.main([str(good), str(bad)]) == 2
+    assert "b.log has no iteration lines" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--requests", "0"]])
+def test_bad_requests(tmp_path, capsys, argv):
+    assert it.main([str(tmp_path / "x.log"), *argv]) == 2
+    assert "--requests must be >= 1" in capsys.readouterr().err

@@ -597,6 +597,30 @@ def test_the_heads_stop_where_their_realised_yield_is_below_plain_decodings():
     assert s.drafting_pays(16, c)
 
 
+def test_a_low_heads_yield_ages_out_and_the_heads_are_judged_again():
+    """A yield measured low stops the heads at that batch size only for YIELD_MAX_AGE decode steps: then the
+    calibration decides again (the heads run), and YIELD_MIN_STEPS fresh observations judge anew."""
+    from vllm_entmtp.step_costs import YIELD_MAX_AGE, YIELD_MIN_STEPS, StepCosts
+
+    s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
+    c = StepCosts()
+    for rows, t in ((1, 0.025), (5, 0.0255), (16, 0.030)):
+        for _ in range(3):
+            c.record_rows(rows, t)
+    c.record_draft(1, 0.002)
+    for _ in range(YIELD_MIN_STEPS + 1):  # 0.1 accepted token for 5 ms added: 20 tokens/s, under plain's 40
+        c.record_heads_yield(1, 0.1, 0.005)
+    assert c.heads_yield(1) == pytest.approx(20.0) and not s.drafting_pays(1, c)
+    for _ in range(YIELD_MAX_AGE):  # resting steps: no new yield
+        c.record_step(1, 1, 0.025, drafted=False)
+    assert not s.drafting_pays(1, c)  # the youngest observation is YIELD_MAX_AGE steps old: it still counts
+    c.record_step(1, 1, 0.025, drafted=False)
+    assert c.heads_yield(1) is None and s.drafting_pays(1, c) and c.summary()["heads_yield"] == {}
+    for _ in range(YIELD_MIN_STEPS):  # fresh observations, a request the heads predict well: judged again
+        c.record_heads_yield(1, 1.5, 0.0025)
+    assert c.heads_yield(1) == pytest.approx(600.0) and s.drafting_pays(1, c)
+
+
 def test_an_exploring_step_drafts_from_32_requests_on_too():
     """The drafter explores with the schedule under the default cap (no costs); from 32 requests on the cap leaves
     no draft node, so the exploring budget keeps room for the ladder's smallest tree: something is drafted, and

@@ -43,9 +43,9 @@ drafter's time: their confidence, the schedule and their drafts, not prompt look
 in every step; and their rows); where that yield (:meth:`StepCosts.heads_yield`) is below the plain step's
 tokens per second, drafting does not pay at that batch size
 (:meth:`~vllm_entmtp.load_rules.LoadRules.drafting_pays`), and the heads run again only in the exploring steps
-above, whose yields enter the same record (one in 64 steps of a batch size: a yield once measured low changes
-slowly; from about 30 requests an exploring step drafts the ladder's smallest tree, so there the heads, once
-stopped, stay stopped).
+above, whose yields enter the same record, until the low yield has aged out: an observation counts for
+:data:`YIELD_MAX_AGE` decode steps, so that one request's text, which the heads predicted badly, does not keep
+them off the next requests' (then :data:`YIELD_MIN_STEPS` steps of the heads judge the yield again).
 
 The realised comparison, over all of the above: the rules price draft rows and drafting from the rows' curve
 and the calibration, which miss costs that depend on the workload (each draft row attends to its request's whole
@@ -84,6 +84,13 @@ COMPARE_MIN_DRAFTING = 8
 COMPARE_MIN_PLAIN = 4
 #: Steps in which the heads ran that it takes to judge a batch size's yield (of the last :data:`WINDOW` kept).
 YIELD_MIN_STEPS = 8
+#: A heads' yield observation counts for this many decode steps (of any batch size) after its own: where a low yield
+#: stopped the heads, it would otherwise stand until exploring steps (one in :data:`PROBE_EVERY`) had replaced it,
+#: over requests whose text the heads may predict far better. In-process, ShareGPT, one request at a time
+#: (2026-12-03, bfloat16): the first chat request's yield (about 49 accepted tokens per second added, under plain
+#: decoding's 80) kept the heads off the next four requests in all but 4 exploring steps, while steps that verified
+#: drafts emitted 136-202 tokens per second against 75-92 for steps that verified none.
+YIELD_MAX_AGE = 64
 
 
 def _rate(obs) -> float:
@@ -104,6 +111,7 @@ class StepCosts:
         self._yield: dict[int, deque] = {}  # per batch size: (accepted heads tokens, extra seconds) a heads step
         self._steps: dict[bool, dict[int, deque]] = {True: {}, False: {}}  # drafts verified? -> B -> (tokens, s)
         self._seen: dict[tuple[str, int], int] = {}  # observations so far per (kind, key)
+        self._clock = 0  # decode steps recorded (record_step): the heads' yield observations age by it
         self._med: dict[int, float] | None = None  # medians by row count, cached until the next observation
         self.probes = 0
         self.explorations = 0
@@ -128,12 +136,13 @@ class StepCosts:
         (bonus tokens excluded; 0 where the schedule then drafted nothing from them), at ``seconds`` of step time
         the heads added (drafting, and the rows of their draft tokens)."""
         if batch_size >= 1 and seconds > 0:
-            self._add(self._yield, "yield", batch_size, (float(accepted), seconds))
+            self._add(self._yield, "yield", batch_size, (float(accepted), seconds, self._clock))
 
     def record_step(self, batch_size: int, tokens: int, seconds: float, drafted: bool) -> None:
         """A decode step of ``batch_size`` requests emitted ``tokens`` (one per request plus the accepted draft
         tokens) in ``seconds`` (from its inputs to the end of its drafting); ``drafted``: it verified draft
         tokens."""
+        self._clock += 1
         if batch_size >= 1 and seconds > 0:
             self._add(self._steps[drafted], f"step-{drafted}", batch_size, (float(tokens), seconds))
 
@@ -185,16 +194,21 @@ class StepCosts:
 
     def heads_yield(self, batch_size: int) -> float | None:
         """Accepted heads' draft tokens per second of step time the heads added, at ``batch_size`` requests: their
-        sum over the last :attr:`window` steps in which the heads ran over those steps' added seconds, at the
+        sum over the last :attr:`window` steps in which the heads ran (those of the last :data:`YIELD_MAX_AGE`
+        decode steps) over those steps' added seconds, at the
         nearest batch size with :data:`YIELD_MIN_STEPS` of them no further than ``max(2, batch_size // 4)`` (under
         continuous batching the batch size moves by a few requests from step to step); None without."""
-        near = [b for b, obs in self._yield.items()
-                if len(obs) >= YIELD_MIN_STEPS and abs(b - batch_size) <= max(2, batch_size // 4)]
+        near = [b for b in self._yield
+                if len(self._recent_yield(b)) >= YIELD_MIN_STEPS and abs(b - batch_size) <= max(2, batch_size // 4)]
         return self._own_yield(min(near, key=lambda b: (abs(b - batch_size), -b))) if near else None
 
+    def _recent_yield(self, batch_size: int) -> list[tuple[float, float, int]]:
+        """The batch size's yield observations of the last :data:`YIELD_MAX_AGE` decode steps."""
+        return [o for o in self._yield.get(batch_size, ()) if self._clock - o[2] <= YIELD_MAX_AGE]
+
     def _own_yield(self, batch_size: int) -> float:
-        obs = self._yield[batch_size]
-        return sum(a for a, _ in obs) / sum(t for _, t in obs)
+        obs = self._recent_yield(batch_size)
+        return sum(o[0] for o in obs) / sum(o[1] for o in obs)
 
     def _add(self, table: dict[int, deque], kind: str, key: int, seconds) -> None:
         """Append an observation; the key's first one is dropped when its second arrives (module docstring)."""
@@ -335,7 +349,7 @@ class StepCosts:
         return {"rows_ms": {r: round(1e3 * statistics.median(v), 3) for r, v in sorted(self._rows.items())},
                 "draft_ms": {b: round(1e3 * statistics.median(v), 3) for b, v in sorted(self._draft.items())},
                 "heads_yield": {b: round(self._own_yield(b), 1) for b in sorted(self._yield)
-                                if len(self._yield[b]) >= YIELD_MIN_STEPS},
+                                if len(self._recent_yield(b)) >= YIELD_MIN_STEPS},
                 "step_rates": {b: [round(r, 1) for r in rates] for b in sorted(self._steps[True])
                                if (rates := self.step_rates(b)) is not None},
                 "probes": self.probes, "explorations": self.explorations}

@@ -13,7 +13,7 @@ process group) before the next method starts. With ``--paired`` every method's s
 order rotated from one level and repeat to the next: a method's level then runs seconds after the others' run of
 it, not minutes (a server's start-up) apart, so that the machine's drift (up to 20 % over minutes on a shared
 2-core machine) falls on every method alike; with ``--fresh-servers`` the servers are started anew every repeat,
-so that a server process's own speed (two processes of the same server differ by up to 7 % for as long as they run)
+so that a server process's own speed (two processes of the same server differ by up to 15 % for as long as they run)
 falls on every method alike over the repeats too. Servers run `--dtype float32` on CPUs without AVX-512 BF16, as
 `make serve` does (`--serve-args "--dtype bfloat16"` overrides). The methods:
 
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "memory for all the servers at once)")
     ap.add_argument("--fresh-servers", action="store_true",
                     help="with --paired: start every method's server anew each repeat, so that a server process's "
-                         "own speed (two processes of one server differ by up to 7 %%) falls on every method alike "
+                         "own speed (two processes of one server differ by up to 15 %%) falls on every method alike "
                          "over the repeats (a start-up per method and repeat)")
     ap.add_argument("--ignore-eos", action="store_true", help="every request generates --max-tokens tokens")
     ap.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"server port (default {DEFAULT_PORT})")

@@ -91,7 +91,7 @@ def run_paired(s: Settings, model: str, vllm: str, runs: list[dict]) -> None:
     A method's level then runs seconds, not minutes, after the other methods' run of it, where one server per
     method at a time puts minutes of start-up between them: on a shared 2-core machine the speed drifts by up to
     20 % over such spans (``benchmarks/results/compare-2026-12-02j/``). Fresh servers every repeat: two processes
-    of the same server differ in speed by up to 7 % for as long as they run (``benchmarks/results/
+    of the same server differ in speed by up to 15 % for as long as they run (``benchmarks/results/
     instance-spread-2026-12-03/``), which one server per method puts on the method."""
     records: dict[tuple[int, str, str], dict] = {}
     prompts: dict[str, list] = {}

@@ -619,6 +619,11 @@ def test_a_low_heads_yield_ages_out_and_the_heads_are_judged_again():
     for _ in range(YIELD_MIN_STEPS):  # fresh observations, a request the heads predict well: judged again
         c.record_heads_yield(1, 1.5, 0.0025)
     assert c.heads_yield(1) == pytest.approx(600.0) and s.drafting_pays(1, c)
+    for _ in range(16):  # a stretch where the confidence pass drafts nothing (0 accepted for 1 ms each), 16 steps
+        c.record_step(1, 1, 0.025, drafted=False)
+        c.record_heads_yield(1, 0, 0.001)
+    # judged over the last YIELD_WINDOW heads' steps, not the stretch alone: 12 tokens in 36 ms, 333 tokens/s
+    assert c.heads_yield(1) == pytest.approx(12 / 0.036) and s.drafting_pays(1, c)
 
 
 def test_an_exploring_step_drafts_from_32_requests_on_too():

@@ -82,8 +82,13 @@ FIT_MIN_POINTS = 3
 #: batch size (:meth:`StepCosts.drafting_loses`).
 COMPARE_MIN_DRAFTING = 8
 COMPARE_MIN_PLAIN = 4
-#: Steps in which the heads ran that it takes to judge a batch size's yield (of the last :data:`WINDOW` kept).
+#: Steps in which the heads ran that it takes to judge a batch size's yield (of the last :data:`YIELD_WINDOW` kept).
 YIELD_MIN_STEPS = 8
+#: Steps in which the heads ran whose yield is kept per batch size: a stretch of text where the confidence pass
+#: drafts nothing (a yield of 0 each) must not stop the heads by itself. In-process, creative writing, one request
+#: at a time (2026-12-03, bfloat16): over the last 16 such steps the yield read 0 in three requests of eight,
+#: stopping the heads, while steps that verified drafts emitted 140-250 tokens per second against 88-95.
+YIELD_WINDOW = 64
 #: A heads' yield observation counts for this many decode steps (of any batch size) after its own: where a low yield
 #: stopped the heads, it would otherwise stand until exploring steps (one in :data:`PROBE_EVERY`) had replaced it,
 #: over requests whose text the heads may predict far better. In-process, ShareGPT, one request at a time
@@ -136,7 +141,7 @@ class StepCosts:
         (bonus tokens excluded; 0 where the schedule then drafted nothing from them), at ``seconds`` of step time
         the heads added (drafting, and the rows of their draft tokens)."""
         if batch_size >= 1 and seconds > 0:
-            self._add(self._yield, "yield", batch_size, (float(accepted), seconds, self._clock))
+            self._add(self._yield, "yield", batch_size, (float(accepted), seconds, self._clock), YIELD_WINDOW)
 
     def record_step(self, batch_size: int, tokens: int, seconds: float, drafted: bool) -> None:
         """A decode step of ``batch_size`` requests emitted ``tokens`` (one per request plus the accepted draft
@@ -194,8 +199,8 @@ class StepCosts:
 
     def heads_yield(self, batch_size: int) -> float | None:
         """Accepted heads' draft tokens per second of step time the heads added, at ``batch_size`` requests: their
-        sum over the last :attr:`window` steps in which the heads ran (those of the last :data:`YIELD_MAX_AGE`
-        decode steps) over those steps' added seconds, at the
+        sum over the last :data:`YIELD_WINDOW` steps in which the heads ran (those of the last
+        :data:`YIELD_MAX_AGE` decode steps) over those steps' added seconds, at the
         nearest batch size with :data:`YIELD_MIN_STEPS` of them no further than ``max(2, batch_size // 4)`` (under
         continuous batching the batch size moves by a few requests from step to step); None without."""
         near = [b for b in self._yield
@@ -210,11 +215,12 @@ class StepCosts:
         obs = self._recent_yield(batch_size)
         return sum(o[0] for o in obs) / sum(o[1] for o in obs)
 
-    def _add(self, table: dict[int, deque], kind: str, key: int, seconds) -> None:
-        """Append an observation; the key's first one is dropped when its second arrives (module docstring)."""
+    def _add(self, table: dict[int, deque], kind: str, key: int, seconds, keep: int | None = None) -> None:
+        """Append an observation (the last ``keep``, default :attr:`window`, are kept); the key's first one is
+        dropped when its second arrives (module docstring)."""
         seen = self._seen.get((kind, key), 0)
         self._seen[(kind, key)] = seen + 1
-        obs = table.setdefault(key, deque(maxlen=self.window))
+        obs = table.setdefault(key, deque(maxlen=keep or self.window))
         if seen == 1:
             obs.clear()
         obs.append(seconds)

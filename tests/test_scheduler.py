@@ -598,8 +598,9 @@ def test_the_heads_stop_where_their_realised_yield_is_below_plain_decodings():
 
 
 def test_a_low_heads_yield_ages_out_and_the_heads_are_judged_again():
-    """A yield measured low stops the heads at that batch size only for YIELD_MAX_AGE decode steps: then the
-    calibration decides again (the heads run), and YIELD_MIN_STEPS fresh observations judge anew."""
+    """A yield measured low stops the heads at that batch size only while YIELD_MIN_STEPS of its observations are
+    among the last YIELD_MAX_AGE drafter steps (tick): then the calibration decides again (the heads run), and
+    fresh observations judge anew; observations of different ages expire one by one."""
     from vllm_entmtp.step_costs import YIELD_MAX_AGE, YIELD_MIN_STEPS, StepCosts
 
     s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
@@ -612,18 +613,25 @@ def test_a_low_heads_yield_ages_out_and_the_heads_are_judged_again():
         c.record_heads_yield(1, 0.1, 0.005)
     assert c.heads_yield(1) == pytest.approx(20.0) and not s.drafting_pays(1, c)
     for _ in range(YIELD_MAX_AGE):  # resting steps: no new yield
-        c.record_step(1, 1, 0.025, drafted=False)
+        c.tick()
     assert not s.drafting_pays(1, c)  # the youngest observation is YIELD_MAX_AGE steps old: it still counts
-    c.record_step(1, 1, 0.025, drafted=False)
+    c.tick()
     assert c.heads_yield(1) is None and s.drafting_pays(1, c) and c.summary()["heads_yield"] == {}
     for _ in range(YIELD_MIN_STEPS):  # fresh observations, a request the heads predict well: judged again
         c.record_heads_yield(1, 1.5, 0.0025)
     assert c.heads_yield(1) == pytest.approx(600.0) and s.drafting_pays(1, c)
     for _ in range(16):  # a stretch where the confidence pass drafts nothing (0 accepted for 1 ms each), 16 steps
-        c.record_step(1, 1, 0.025, drafted=False)
+        c.tick()
         c.record_heads_yield(1, 0, 0.001)
-    # judged over the last YIELD_WINDOW heads' steps, not the stretch alone: 12 tokens in 36 ms, 333 tokens/s
+        c.record_step(1, 1, 0.025, drafted=False)  # recording a step does not age the yield: only tick() does
+    # judged over the heads' steps of the last YIELD_MAX_AGE steps, not the stretch alone: 12 tokens in 36 ms
     assert c.heads_yield(1) == pytest.approx(12 / 0.036) and s.drafting_pays(1, c)
+    for _ in range(YIELD_MAX_AGE - 15):  # the 8 good ones are YIELD_MAX_AGE + 1 steps old: only the stretch is left
+        c.tick()
+    assert c.heads_yield(1) == 0.0 and not s.drafting_pays(1, c)
+    for _ in range(16 - YIELD_MIN_STEPS + 1):  # the stretch ages out one by one: fewer than 8 left, not judged
+        c.tick()
+    assert c.heads_yield(1) is None and s.drafting_pays(1, c)
 
 
 def test_an_exploring_step_drafts_from_32_requests_on_too():

@@ -43,9 +43,9 @@ drafter's time: their confidence, the schedule and their drafts, not prompt look
 in every step; and their rows); where that yield (:meth:`StepCosts.heads_yield`) is below the plain step's
 tokens per second, drafting does not pay at that batch size
 (:meth:`~vllm_entmtp.load_rules.LoadRules.drafting_pays`), and the heads run again only in the exploring steps
-above, whose yields enter the same record, until the low yield has aged out: an observation counts for
-:data:`YIELD_MAX_AGE` decode steps, so that one request's text, which the heads predicted badly, does not keep
-them off the next requests' (then :data:`YIELD_MIN_STEPS` steps of the heads judge the yield again).
+above, whose yields enter the same record, until the low yield has aged out: the yield is judged over the heads'
+steps among the last :data:`YIELD_MAX_AGE` engine steps, so that a stretch of text which the heads predicted
+badly does not keep them off for good (then :data:`YIELD_MIN_STEPS` steps of the heads judge the yield again).
 
 The realised comparison, over all of the above: the rules price draft rows and drafting from the rows' curve
 and the calibration, which miss costs that depend on the workload (each draft row attends to its request's whole
@@ -82,19 +82,18 @@ FIT_MIN_POINTS = 3
 #: batch size (:meth:`StepCosts.drafting_loses`).
 COMPARE_MIN_DRAFTING = 8
 COMPARE_MIN_PLAIN = 4
-#: Steps in which the heads ran that it takes to judge a batch size's yield (of the last :data:`YIELD_WINDOW` kept).
+#: Steps in which the heads ran that it takes to judge a batch size's yield (of those of the last
+#: :data:`YIELD_MAX_AGE` steps).
 YIELD_MIN_STEPS = 8
-#: Steps in which the heads ran whose yield is kept per batch size: a stretch of text where the confidence pass
-#: drafts nothing (a yield of 0 each) must not stop the heads by itself. In-process, creative writing, one request
-#: at a time (2026-12-03, bfloat16): over the last 16 such steps the yield read 0 in three requests of eight,
-#: stopping the heads, while steps that verified drafts emitted 140-250 tokens per second against 88-95.
-YIELD_WINDOW = 64
-#: A heads' yield observation counts for this many decode steps (of any batch size) after its own: where a low yield
-#: stopped the heads, it would otherwise stand until exploring steps (one in :data:`PROBE_EVERY`) had replaced it,
-#: over requests whose text the heads may predict far better. In-process, ShareGPT, one request at a time
-#: (2026-12-03, bfloat16): the first chat request's yield (about 49 accepted tokens per second added, under plain
-#: decoding's 80) kept the heads off the next four requests in all but 4 exploring steps, while steps that verified
-#: drafts emitted 136-202 tokens per second against 75-92 for steps that verified none.
+#: The heads' yield is judged over their steps among the last this many engine steps in which the drafter ran
+#: (:meth:`StepCosts.tick`), of any batch size. Where a low yield stopped the heads, it stands until fewer than
+#: :data:`YIELD_MIN_STEPS` of its observations are that recent (up to that many steps; exploring steps add to it
+#: meanwhile); then the calibration decides again and fresh observations judge anew. Before (the last 16 steps in
+#: which the heads ran, with no age), two things went wrong at one request, in-process, bfloat16 (2026-12-03): on
+#: ShareGPT the first requests' yield (45-49 accepted tokens per second added, under plain decoding's 75-92) kept
+#: the heads off five requests in all but 3 exploring steps, and on creative writing a stretch of 16 steps in which
+#: the confidence pass drafted nothing read a yield of 0 and stopped the heads, while in both the steps that
+#: verified drafts emitted 105-249 tokens per second against 75-95 for steps that verified none.
 YIELD_MAX_AGE = 64
 
 
@@ -116,7 +115,7 @@ class StepCosts:
         self._yield: dict[int, deque] = {}  # per batch size: (accepted heads tokens, extra seconds) a heads step
         self._steps: dict[bool, dict[int, deque]] = {True: {}, False: {}}  # drafts verified? -> B -> (tokens, s)
         self._seen: dict[tuple[str, int], int] = {}  # observations so far per (kind, key)
-        self._clock = 0  # decode steps recorded (record_step): the heads' yield observations age by it
+        self._clock = 0  # engine steps in which the drafter ran (tick): the heads' yield observations age by it
         self._med: dict[int, float] | None = None  # medians by row count, cached until the next observation
         self.probes = 0
         self.explorations = 0
@@ -141,15 +140,19 @@ class StepCosts:
         (bonus tokens excluded; 0 where the schedule then drafted nothing from them), at ``seconds`` of step time
         the heads added (drafting, and the rows of their draft tokens)."""
         if batch_size >= 1 and seconds > 0:
-            self._add(self._yield, "yield", batch_size, (float(accepted), seconds, self._clock), YIELD_WINDOW)
+            self._add(self._yield, "yield", batch_size, (float(accepted), seconds, self._clock), YIELD_MAX_AGE + 1)
 
     def record_step(self, batch_size: int, tokens: int, seconds: float, drafted: bool) -> None:
         """A decode step of ``batch_size`` requests emitted ``tokens`` (one per request plus the accepted draft
         tokens) in ``seconds`` (from its inputs to the end of its drafting); ``drafted``: it verified draft
         tokens."""
-        self._clock += 1
         if batch_size >= 1 and seconds > 0:
             self._add(self._steps[drafted], f"step-{drafted}", batch_size, (float(tokens), seconds))
+
+    def tick(self) -> None:
+        """An engine step in which the drafter ran (any batch size, prompt chunks or not): the heads' yield
+        observations age by these (:data:`YIELD_MAX_AGE`)."""
+        self._clock += 1
 
     def step_rates(self, batch_size: int) -> tuple[float, float] | None:
         """Tokens per second of the recent decode steps that verified draft tokens and of those that verified none,
@@ -199,8 +202,8 @@ class StepCosts:
 
     def heads_yield(self, batch_size: int) -> float | None:
         """Accepted heads' draft tokens per second of step time the heads added, at ``batch_size`` requests: their
-        sum over the last :data:`YIELD_WINDOW` steps in which the heads ran (those of the last
-        :data:`YIELD_MAX_AGE` decode steps) over those steps' added seconds, at the
+        sum over the steps in which the heads ran among the last :data:`YIELD_MAX_AGE` steps (:meth:`tick`) over
+        those steps' added seconds, at the
         nearest batch size with :data:`YIELD_MIN_STEPS` of them no further than ``max(2, batch_size // 4)`` (under
         continuous batching the batch size moves by a few requests from step to step); None without."""
         near = [b for b in self._yield
@@ -208,7 +211,7 @@ class StepCosts:
         return self._own_yield(min(near, key=lambda b: (abs(b - batch_size), -b))) if near else None
 
     def _recent_yield(self, batch_size: int) -> list[tuple[float, float, int]]:
-        """The batch size's yield observations of the last :data:`YIELD_MAX_AGE` decode steps."""
+        """The batch size's yield observations of the last :data:`YIELD_MAX_AGE` steps (:meth:`tick`)."""
         return [o for o in self._yield.get(batch_size, ()) if self._clock - o[2] <= YIELD_MAX_AGE]
 
     def _own_yield(self, batch_size: int) -> float:

@@ -4,8 +4,6 @@ from __future__ import annotations
 import logging
 import types
 
-import pytest
-
 from conftest import load_benchmark
 
 it = load_benchmark("iteration_times")
@@ -71,7 +69,6 @@ def test_cli_table_and_a_log_without_iteration_lines(tmp_path, capsys):
     assert "b.log has no iteration lines" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--requests", "0"]])
-def test_bad_requests(tmp_path, capsys, argv):
-    assert it.main([str(tmp_path / "x.log"), *argv]) == 2
+def test_bad_requests(tmp_path, capsys):
+    assert it.main([str(tmp_path / "x.log"), "--requests", "0"]) == 2
     assert "--requests must be >= 1" in capsys.readouterr().err

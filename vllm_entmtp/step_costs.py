@@ -151,8 +151,12 @@ class StepCosts:
 
     def tick(self) -> None:
         """An engine step in which the drafter ran (any batch size, prompt chunks or not): the heads' yield
-        observations age by these (:data:`YIELD_MAX_AGE`)."""
+        observations age by these; those older than :data:`YIELD_MAX_AGE` of them are dropped (each batch size's
+        are kept in the order they came, so the oldest are on the left)."""
         self._clock += 1
+        for obs in self._yield.values():
+            while obs and self._clock - obs[0][2] > YIELD_MAX_AGE:
+                obs.popleft()
 
     def step_rates(self, batch_size: int) -> tuple[float, float] | None:
         """Tokens per second of the recent decode steps that verified draft tokens and of those that verified none,
@@ -206,16 +210,12 @@ class StepCosts:
         those steps' added seconds, at the
         nearest batch size with :data:`YIELD_MIN_STEPS` of them no further than ``max(2, batch_size // 4)`` (under
         continuous batching the batch size moves by a few requests from step to step); None without."""
-        near = [b for b in self._yield
-                if len(self._recent_yield(b)) >= YIELD_MIN_STEPS and abs(b - batch_size) <= max(2, batch_size // 4)]
+        near = [b for b, obs in self._yield.items()
+                if len(obs) >= YIELD_MIN_STEPS and abs(b - batch_size) <= max(2, batch_size // 4)]
         return self._own_yield(min(near, key=lambda b: (abs(b - batch_size), -b))) if near else None
 
-    def _recent_yield(self, batch_size: int) -> list[tuple[float, float, int]]:
-        """The batch size's yield observations of the last :data:`YIELD_MAX_AGE` steps (:meth:`tick`)."""
-        return [o for o in self._yield.get(batch_size, ()) if self._clock - o[2] <= YIELD_MAX_AGE]
-
     def _own_yield(self, batch_size: int) -> float:
-        obs = self._recent_yield(batch_size)
+        obs = self._yield[batch_size]  # those of the last YIELD_MAX_AGE steps (tick drops the older)
         return sum(o[0] for o in obs) / sum(o[1] for o in obs)
 
     def _add(self, table: dict[int, deque], kind: str, key: int, seconds, keep: int | None = None) -> None:
@@ -358,7 +358,7 @@ class StepCosts:
         return {"rows_ms": {r: round(1e3 * statistics.median(v), 3) for r, v in sorted(self._rows.items())},
                 "draft_ms": {b: round(1e3 * statistics.median(v), 3) for b, v in sorted(self._draft.items())},
                 "heads_yield": {b: round(self._own_yield(b), 1) for b in sorted(self._yield)
-                                if len(self._recent_yield(b)) >= YIELD_MIN_STEPS},
+                                if len(self._yield[b]) >= YIELD_MIN_STEPS},
                 "step_rates": {b: [round(r, 1) for r in rates] for b in sorted(self._steps[True])
                                if (rates := self.step_rates(b)) is not None},
                 "probes": self.probes, "explorations": self.explorations}

@@ -223,3 +223,24 @@ def test_hydra_needs_the_bonus_token():
         drafter.propose(torch.randn(1, 8), [Tree.chain(2)])
     with pytest.raises(ValueError, match="depth 4"):
         drafter.propose(torch.randn(1, 8), [Tree.chain(4)], torch.tensor([0]))
+
+
+def test_hydra_confidence_over_some_rows_matches_the_whole_batch_and_keys_the_state_by_batch_row():
+    """The drafter runs the confidence pass over the requests that may draft only (not prompt chunks, nor those
+    whose lookup draft wins): their probabilities and state are the whole batch's, keyed by batch index."""
+    from vllm_entmtp.trees import Tree
+
+    drafter, *_ = _hydra()
+    x, bonus = torch.randn(4, 8), torch.tensor([1, 2, 3, 4])
+    whole, whole_state = drafter.confidence(x, bonus, num_heads=2)
+    some, state = drafter.confidence(x, bonus, num_heads=2, rows=[3, 1])
+    assert some.shape == (2, 2)
+    assert torch.allclose(some[0], whole[3]) and torch.allclose(some[1], whole[1])
+    assert {i for i, _ in state} == {1, 3}
+    assert state.keys() == {key for key in whole_state if key[0] in (1, 3)}
+    for key, (toks, p) in state.items():  # the same tokens; probabilities up to the batch's rounding
+        assert toks == whole_state[key][0] and p == pytest.approx(whole_state[key][1], abs=1e-5)
+    trees = [None, Tree([[0], [1], [0, 0]]), None, Tree.chain(3)]
+    assert drafter.propose(x, trees, bonus, state) == drafter.propose(x, trees, bonus)
+    none, empty = drafter.confidence(x, bonus, num_heads=2, rows=[])
+    assert none.shape == (0, 2) and empty == {}

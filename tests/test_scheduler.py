@@ -408,6 +408,42 @@ def test_measured_costs_keep_trees_where_rows_are_cheap_and_drop_them_where_they
     assert not s.drafting_pays(16, dearer) and s.stats.not_paying == 1
 
 
+def test_measured_costs_charge_only_the_drafting_not_yet_spent():
+    """The heads' confidence pass runs before the choice, and the step pays it whether it drafts or not: with
+    1.5 ms of the 2 ms drafting spent, an unsure request's one node (0.12 tokens for 1 ms of rows and 0.5 ms of
+    drafting) pays, where charged the whole 2 ms it does not; a hopeless one (0.05 tokens) still does not."""
+    s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
+    cheap = _costs({1: 0.020, 5: 0.024}, draft_s=0.002)
+    assert ids(s.choose(["a"], [conf(0.35)], None, cheap)) == [None]  # 1.12 / 23 ms < 1 / 20 ms
+    assert ids(s.choose(["a"], [conf(0.35)], None, cheap, sunk_seconds=0.0015)) == ["small"]  # 1.12/23 > 1/21.5
+    assert ids(s.choose(["b"], [conf(0.1)], None, cheap, sunk_seconds=0.0015)) == [None]  # 1.05 / 23 ms
+    assert ids(s.choose(["c"], [conf(0.35)], None, cheap, sunk_seconds=0.01)) == ["small"]  # more than measured
+
+
+def test_the_heads_run_only_for_requests_whose_own_acceptance_could_pay():
+    """Sixteen requests, 3 ms a plain token, 1.5 ms a draft row and 1 ms of drafting for the batch: a request
+    accepting what the calibration expects may pay (the small tree: 0.7 tokens for 1.56 ms), one accepting a
+    fifth of it cannot (0.14 tokens) and does not run the heads; a request with no record yet, or costs not
+    measured, always may."""
+    s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
+    dear = _costs({16: 0.048, 32: 0.048 + 16 * 0.0015}, draft_s=0.001)
+    dear.record_draft(16, 0.001)
+    for _ in range(2):
+        s.observe_acceptance("good", 0.7, 1)
+        s.observe_acceptance("bad", 0.7, 0)
+    assert s.acceptance_ratio("good") > 1.0 and s.acceptance_ratio("bad") == 0.2
+    assert s.request_may_pay("good", 16, dear) and not s.request_may_pay("bad", 16, dear)
+    assert s.request_may_pay("new", 16, dear)  # no record yet
+    assert s.request_may_pay("bad", 16, _costs({16: 0.048}))  # one row count: a draft row has no price yet
+    # the same record at one request, where a draft row costs a twentieth of a step, still pays
+    cheap = _costs({1: 0.020, 5: 0.021}, draft_s=0.0005)
+    assert s.request_may_pay("bad", 1, cheap)
+    cap = TreeScheduler(_costed_set(), "confidence", load_policy="cap")
+    for _ in range(2):
+        cap.observe_acceptance("bad", 0.7, 0)
+    assert cap.request_may_pay("bad", 16, dear)  # the measured load policy's rule only
+
+
 def test_measured_costs_fall_back_to_the_cap_until_measured():
     """Before two row counts are measured the rule cannot price a draft: the cap of 32 verified rows applies."""
     s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)

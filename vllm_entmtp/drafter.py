@@ -399,16 +399,19 @@ class EntMTPProposer(MedusaProposer):
         if not skip and not explore and costs is not None and free and not self.scheduler.drafting_pays(n, costs):
             explore = costs.needs_exploration(n)
             skip = not explore
+        # requests none of whose drafts could pay at this load, by their own acceptance, do not run the heads
+        # (exploring steps run them for every request: their acceptance is measured again there)
+        unpaying = set() if skip or explore or costs is None or not free else {
+            i for i in want_heads if not self.scheduler.request_may_pay(req_ids[i], n, costs)}
+        if unpaying:
+            self.scheduler.stats.heads_skipped += len(unpaying)
+            want_heads = [i for i in want_heads if i not in unpaying]
+            skip = not want_heads
         t_heads = time.perf_counter()
         if skip:
             pass
         elif self.scheduler.policy == "confidence" or self.drafter.confidence_is_free:
-            k = self.spec_config.entmtp.confidence_heads  # the path confidence's heads
-            if self.drafter.confidence_is_free:
-                top1, state = self.drafter.confidence(hidden, bonus)
-            else:
-                top1, state = self.drafter.confidence(hidden, bonus, num_heads=k)
-            top1 = top1[:, :k].tolist()  # [B, k]
+            top1, state = self._confidence(hidden, bonus, want_heads)
         heads_seconds = time.perf_counter() - t_heads
         self._update_signals(req_ids, active, top1)
         self.heads_ran = not skip
@@ -425,7 +428,10 @@ class EntMTPProposer(MedusaProposer):
                 budget = self.scheduler.exploring_budget(n)
             # the lookup drafts that win anyway take their nodes first; the heads' trees share what is left
             heads_budget = None if budget is None else max(budget - sum(len(lookups[i]) for i in sure), 0)
-            choices = self.scheduler.choose(req_ids, signals, heads_budget, None if explore else costs, skip=sure)
+            # the confidence pass is spent: only the rest of the drafting is weighed against the drafts
+            choices = self.scheduler.choose(req_ids, signals, heads_budget, None if explore else costs,
+                                            skip=sure | unpaying,
+                                            sunk_seconds=heads_seconds if top1 is not None else 0.0)
             forced_at = [f is not None for f in forced]
             for i, f in enumerate(forced):
                 if f is not None:
@@ -446,6 +452,26 @@ class EntMTPProposer(MedusaProposer):
         self._heads_nodes = None if skip or not free else (
             sum(len(d) for (t, _), d in zip(chosen, drafts) if d and t != LOOKUP_ID), sum(len(d) for d in drafts))
         return chosen, drafts
+
+    def _confidence(self, hidden, bonus, rows: list[int]) -> tuple[list, object]:
+        """The heads' top-1 probabilities along each request's greedy chain (``confidence_heads`` of them; None
+        for a request outside ``rows``) and the drafter's state for :meth:`propose`. Hydra heads run over
+        ``rows`` only (the requests that may draft from the heads: not prompt chunks, nor requests whose lookup
+        draft wins, nor those without a draft budget); Medusa heads' pass over the whole batch is one matrix
+        product and is kept whole."""
+        k = self.spec_config.entmtp.confidence_heads  # the path confidence's heads
+        if self.drafter.confidence_is_free:
+            top1, state = self.drafter.confidence(hidden, bonus)
+            return top1[:, :k].tolist(), state
+        n = hidden.shape[0]
+        if len(rows) == n:
+            top1, state = self.drafter.confidence(hidden, bonus, num_heads=k)
+            return top1[:, :k].tolist(), state
+        sub, state = self.drafter.confidence(hidden, bonus, num_heads=k, rows=rows)
+        top1: list = [None] * n
+        for i, p in zip(rows, sub[:, :k].tolist()):
+            top1[i] = p
+        return top1, state
 
     def _update_signals(self, req_ids, active, top1) -> None:
         """The tracker takes the step's signals; last step's drafts are scored (metrics, the measured load rule's

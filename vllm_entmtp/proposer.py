@@ -232,22 +232,30 @@ class HydraDrafter:
         return self.heads.to_token_ids(cols).tolist(), top1_p.tolist()
 
     @torch.inference_mode()
-    def confidence(self, hidden: torch.Tensor, bonus: torch.Tensor, topk: int = 8, num_heads: int | None = None
-                   ) -> tuple[torch.Tensor, dict]:
+    def confidence(self, hidden: torch.Tensor, bonus: torch.Tensor, topk: int = 8, num_heads: int | None = None,
+                   rows: Sequence[int] | None = None) -> tuple[torch.Tensor, dict]:
         """Top-1 probabilities along each request's greedy chain: ``[B, num_heads]`` float32 (the first
         ``num_heads`` heads; None: all), and a state (every evaluated path's top-``topk`` tokens) that
-        :meth:`propose` reuses for the same paths."""
-        b = hidden.shape[0]
+        :meth:`propose` reuses for the same paths. ``rows``: evaluate these requests (indices into the batch)
+        only; the probabilities are then ``[len(rows), num_heads]`` in that order, and the state is keyed by the
+        batch's indices, as :meth:`propose` reads it."""
         k_max = self.num_heads if num_heads is None else min(num_heads, self.num_heads)
+        if rows is not None:
+            idx = torch.tensor(list(rows), dtype=torch.long, device=hidden.device)
+            hidden, bonus = hidden.index_select(0, idx), bonus.index_select(0, idx.to(bonus.device))
+        b = hidden.shape[0]
+        of = list(rows) if rows is not None else range(b)  # the batch's index of each evaluated row
         memo: dict[tuple[int, tuple[int, ...]], tuple[list[int], float]] = {}
         paths = [[int(t)] for t in bonus.tolist()]
         probs = torch.zeros(b, k_max, dtype=torch.float32)
         for k in range(k_max):
+            if b == 0:
+                break
             ids = torch.tensor(paths, dtype=torch.long, device=hidden.device)
             toks, p1 = self._level(k, hidden, ids, topk)
             probs[:, k] = torch.tensor(p1)
             for i in range(b):
-                memo[(i, tuple(paths[i]))] = (toks[i], p1[i])
+                memo[(of[i], tuple(paths[i]))] = (toks[i], p1[i])
                 paths[i].append(toks[i][0])
         return probs, memo
 

@@ -77,6 +77,7 @@ class SchedulerStats:
     cost_stepdowns: int = 0     # single-bin steps down by the cost model (load_policy "cost" or "measured")
     probes: int = 0             # steps without drafts to measure a plain step of that batch ("measured")
     not_paying: int = 0         # steps without drafts because no draft could pay at that batch ("measured")
+    heads_skipped: int = 0      # request-steps whose heads did not run: none of its drafts could pay ("measured")
     budget_stepdowns: int = 0   # single-bin steps down to fit the node budget
     no_draft: int = 0           # request-steps left without a tree by the cost model or the budget
 
@@ -268,8 +269,8 @@ class TreeScheduler(LoadRules):
         return new
 
     def choose(self, req_ids: Sequence[str], signals: Sequence[Signals],
-               budget_nodes: int | None = None, costs: StepCosts | None = None, skip: Collection[int] = ()
-               ) -> list[tuple[str | None, Tree | None]]:
+               budget_nodes: int | None = None, costs: StepCosts | None = None, skip: Collection[int] = (),
+               sunk_seconds: float = 0.0) -> list[tuple[str | None, Tree | None]]:
         """Each request's ``(tree id, tree)`` for this step, or ``(None, None)``: no drafting.
 
         Args:
@@ -282,6 +283,9 @@ class TreeScheduler(LoadRules):
             skip: indices of requests that draft nothing from the heads this step (their prompt-lookup draft
                 wins in any case): their signals still move their bins, but they get no tree and take no part
                 of ``budget_nodes`` (the caller leaves their lookup drafts' nodes out of it).
+            sunk_seconds: this step's drafting time already spent before the choice (the heads' confidence
+                pass): under measured costs only the rest of the drafting time is charged to the drafts, as the
+                step pays the spent part whether it drafts or not.
 
         The cost model (:attr:`cost_model`; module docstring) applies first, for the batch ``req_ids``; under
         the ``"measured"`` load policy, :meth:`_fit_measured` on ``costs`` instead (where ``costs`` has not
@@ -303,7 +307,7 @@ class TreeScheduler(LoadRules):
         if self.measured and bins:
             cal = [self.calibration_bin(self.signal_value(s)) for s in signals]
             fitted = costs is not None and self._fit_measured(
-                bins, cal, costs, [self.acceptance_ratio(r) for r in req_ids])
+                bins, cal, costs, [self.acceptance_ratio(r) for r in req_ids], sunk_seconds)
             if not fitted and budget_nodes is None:
                 budget_nodes = node_budget(len(bins), DEFAULT_MAX_VERIFY_TOKENS)
         if budget_nodes is not None:

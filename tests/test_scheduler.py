@@ -432,16 +432,19 @@ def test_the_heads_run_only_for_requests_whose_own_acceptance_could_pay():
         s.observe_acceptance("good", 0.7, 1)
         s.observe_acceptance("bad", 0.7, 0)
     assert s.acceptance_ratio("good") > 1.0 and s.acceptance_ratio("bad") == 0.2
-    assert s.request_may_pay("good", 16, dear) and not s.request_may_pay("bad", 16, dear)
-    assert s.request_may_pay("new", 16, dear)  # no record yet
-    assert s.request_may_pay("bad", 16, _costs({16: 0.048}))  # one row count: a draft row has no price yet
+    floor = s.paying_ratio(16, dear)  # once per step: small pays from 0.744 (0.7 r for 1.5625 ms at 1/3 ms)
+    assert floor == pytest.approx(16 / 0.048 * 0.0015625 / 0.7)
+    assert s.request_may_pay("good", floor) and not s.request_may_pay("bad", floor)
+    assert s.request_may_pay("new", floor)  # no record yet
+    # one row count: a draft row has no price yet
+    assert s.request_may_pay("bad", s.paying_ratio(16, _costs({16: 0.048})))
     # the same record at one request, where a draft row costs a twentieth of a step, still pays
     cheap = _costs({1: 0.020, 5: 0.021}, draft_s=0.0005)
-    assert s.request_may_pay("bad", 1, cheap)
+    assert s.request_may_pay("bad", s.paying_ratio(1, cheap))
     cap = TreeScheduler(_costed_set(), "confidence", load_policy="cap")
     for _ in range(2):
         cap.observe_acceptance("bad", 0.7, 0)
-    assert cap.request_may_pay("bad", 16, dear)  # the measured load policy's rule only
+    assert cap.request_may_pay("bad", cap.paying_ratio(16, dear))  # the measured load policy's rule only
 
 
 def test_measured_costs_fall_back_to_the_cap_until_measured():

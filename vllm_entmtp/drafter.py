@@ -401,8 +401,9 @@ class EntMTPProposer(MedusaProposer):
             skip = not explore
         # requests none of whose drafts could pay at this load, by their own acceptance, do not run the heads
         # (exploring steps run them for every request: their acceptance is measured again there)
-        unpaying = set() if skip or explore or costs is None or not free else {
-            i for i in want_heads if not self.scheduler.request_may_pay(req_ids[i], n, costs)}
+        floor = None if skip or explore or costs is None or not free else self.scheduler.paying_ratio(n, costs)
+        unpaying = set() if floor is None else {
+            i for i in want_heads if not self.scheduler.request_may_pay(req_ids[i], floor)}
         if unpaying:
             self.scheduler.stats.heads_skipped += len(unpaying)
             want_heads = [i for i in want_heads if i not in unpaying]

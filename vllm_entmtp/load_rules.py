@@ -183,37 +183,45 @@ class LoadRules:
         self.stats.not_paying += 1
         return False
 
-    def request_may_pay(self, req_id: str, batch_size: int, costs: StepCosts) -> bool:
-        """Whether the heads should run for ``req_id`` this step, at ``batch_size`` requests: some tree of the
-        ladder, at its best calibration bin's expected accepted tokens scaled by the request's own acceptance
-        record (:meth:`acceptance_ratio`), would raise the step's tokens per second for its rows and its share
-        of the drafting time (the batch size's measured drafting time over its requests). The best bin is taken
-        as the request's confidence is not known before the heads run, so this never drops a request that the
-        choice after them (:meth:`_fit_measured`) would keep for the same record. True where the record or the
-        costs are not measured enough to say.
+    def paying_ratio(self, batch_size: int, costs: StepCosts) -> float | None:
+        """The least acceptance record (:meth:`acceptance_ratio`) at which a request's heads could pay at
+        ``batch_size`` requests: some tree of the ladder, at its best calibration bin's expected accepted tokens
+        scaled by the record, raises the step's tokens per second for its rows and its share of the drafting
+        time (the batch size's measured drafting time over its requests). Computed once per step for the batch
+        (:meth:`request_may_pay` compares each request's record with it). The best bin is taken as a request's
+        confidence is not known before the heads run, so no request is dropped that the choice after them
+        (:meth:`_fit_measured`) would keep for the same record. None where the costs are not measured enough to
+        say, or under another load policy.
 
         At 16 running the heads' pass over the batch cost 1.9 ms of an 18-ms step (2026-12-03, in-process,
         bfloat16, GSM8K), about five draft rows' worth; run for requests whose drafts are mostly rejected (chat,
         where the heads are weakest), it bought nothing: they were dropped by the choice after it."""
         if not self.measured or batch_size < 1:
+            return None
+        curve = self._curve(costs, batch_size, max(self._nodes, default=0))
+        if curve is None:
+            return None
+        share = costs.draft_time(batch_size) / batch_size
+        plain = batch_size / curve[0]
+        need = math.inf
+        for b, n in enumerate(self._nodes):
+            best = max(self._acc[b]) if n else 0.0
+            if n == 0 or best <= 0:
+                continue
+            extra = curve[n] - curve[0] + share
+            need = min(need, 0.0 if extra <= 0 else plain * extra / best)
+        return need
+
+    def request_may_pay(self, req_id: str, paying_ratio: float | None) -> bool:
+        """Whether the heads should run for ``req_id`` this step: its acceptance record is above
+        ``paying_ratio`` (:meth:`paying_ratio` of the step's batch size); True without a record of
+        :data:`ACCEPTANCE_MIN_STEPS` verified drafts, or where ``paying_ratio`` is None."""
+        if paying_ratio is None:
             return True
         st = self._acc_obs.get(req_id)
         if st is None or st[2] < ACCEPTANCE_MIN_STEPS:
             return True
-        k_max = max((n for n in self._nodes), default=0)
-        curve = self._curve(costs, batch_size, k_max)
-        if curve is None:
-            return True
-        share = costs.draft_time(batch_size) / batch_size
-        plain = batch_size / curve[0]
-        ratio = self.acceptance_ratio(req_id)
-        for b, n in enumerate(self._nodes):
-            if n == 0:
-                continue
-            extra = curve[n] - curve[0] + share
-            if extra <= 0 or max(self._acc[b]) * ratio / extra > plain:
-                return True
-        return False
+        return self.acceptance_ratio(req_id) > paying_ratio
 
     def acceptance_ratio(self, req_id: str) -> float:
         """What a request accepted over what the calibration expected of its drafts (EMAs over about

@@ -14,7 +14,9 @@ order rotated from one level and repeat to the next: a method's level then runs 
 it, not minutes (a server's start-up) apart, so that the machine's drift (up to 20 % over minutes on a shared
 2-core machine) falls on every method alike; with ``--fresh-servers`` the servers are started anew every repeat,
 so that a server process's own speed (two processes of the same server differ by up to 15 % for as long as they run)
-falls on every method alike over the repeats too. Servers run `--dtype float32` on CPUs without AVX-512 BF16, as
+falls on every method alike over the repeats too. A paired level during which the load generator itself stood
+still for over a second (the whole machine paused: a virtual machine snapshotted stops every process, seen here as
+a 27-second gap in one level) is measured again, twice at most (``report.md`` lists such levels). Servers run `--dtype float32` on CPUs without AVX-512 BF16, as
 `make serve` does (`--serve-args "--dtype bfloat16"` overrides). The methods:
 
 * ``plain``: no speculation, in the run's dtype; ``plain-float32`` and ``plain-bfloat16``: the same in that dtype

@@ -38,12 +38,22 @@ def pooled_mal(levels: list[dict]) -> float | None:
     return 1 + accepted / drafts if drafts else None
 
 
+def stalled_cells(runs: list[dict]) -> set[tuple[str, int, int]]:
+    """``(task, concurrency, repeat)`` of the levels kept although the machine stood still during one method's
+    run of them (``client_stall_s`` over ``throughput.STALL_LIMIT_S``)."""
+    return {(run["task"], lv["concurrency"], run["repeat"]) for run in runs for lv in run["levels"]
+            if (lv.get("client_stall_s") or 0) > tp.STALL_LIMIT_S}
+
+
 def _levels_by_key(runs: list[dict]) -> dict[tuple, dict[int, dict]]:
-    """``{(method, task, concurrency): {repeat: level}}``."""
+    """``{(method, task, concurrency): {repeat: level}}``, without the :func:`stalled_cells`: a repeat of a level
+    that one method ran while the machine stood still is left out for every method (its ratios would be off)."""
+    stalled = stalled_cells(runs)
     out: dict[tuple, dict[int, dict]] = {}
     for run in runs:
         for lv in run["levels"]:
-            out.setdefault((run["method"], run["task"], lv["concurrency"]), {})[run["repeat"]] = lv
+            if (run["task"], lv["concurrency"], run["repeat"]) not in stalled:
+                out.setdefault((run["method"], run["task"], lv["concurrency"]), {})[run["repeat"]] = lv
     return out
 
 

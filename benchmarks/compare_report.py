@@ -142,7 +142,28 @@ def render_report(doc: dict) -> str:
               for e in lv.get("errors", [])]
     if errors:
         out += ["", "## Errors", ""] + [f"- {mt} / {t} / concurrency {c}: {e}" for mt, t, c, e in errors]
+    stalls = stall_lines(doc["runs"])
+    if stalls:
+        out += ["", "## The machine stood still", "", "Levels during which the load generator itself stood still "
+                f"for over {tp.STALL_LIMIT_S:g} s (the whole machine paused, not only the server): measured again "
+                "(`--paired`), or kept and left out of the figures.", ""] + stalls
     return "\n".join(out) + "\n"
+
+
+def stall_lines(runs: list[dict]) -> list[str]:
+    """One line per level of ``runs`` whose figures a pause of the machine touched: measured again after one
+    (``stalled_runs_s``), or kept with one (``client_stall_s`` over ``throughput.STALL_LIMIT_S``)."""
+    out = []
+    for r in runs:
+        for lv in r["levels"]:
+            where = f"- {r['method']} / {r['task']} / concurrency {lv['concurrency']} / repeat {r['repeat'] + 1}"
+            redone = lv.get("stalled_runs_s") or []
+            if redone:
+                out.append(f"{where}: measured again after stalls of {', '.join(f'{x:.1f}' for x in redone)} s")
+            if (lv.get("client_stall_s") or 0) > tp.STALL_LIMIT_S:
+                out.append(f"{where}: kept with a stall of {lv['client_stall_s']:.1f} s: this repeat of the level "
+                           f"is left out of every method's figures")
+    return out
 
 
 def render_headline(doc: dict, method: str = "entmtp") -> str:

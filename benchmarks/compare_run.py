@@ -16,6 +16,10 @@ from compare_methods import SERVED_MODEL_NAME, Method, interleaved_order
 from compare_server import Server, portable, serve_command
 from compare_settings import Settings
 
+#: A paired level during which the client stood still (``throughput.StallWatch``) is measured again, this many
+#: times at most.
+MAX_STALL_RETRIES = 2
+
 
 def prompts_needed(s: Settings) -> int:
     """Prompts a task loads: ``num_requests``, or the highest concurrency if more (every level runs full once,
@@ -86,7 +90,9 @@ def run_paired(s: Settings, model: str, vllm: str, runs: list[dict]) -> None:
     measured), runs :func:`paired_schedule` level by level, stops the servers; appends to ``runs`` one run record per
     method, task and repeat as :func:`run_method` writes them (each as soon as its first level ran, so that an
     interrupted run keeps what it measured). With ``s.fresh_servers`` every repeat starts the servers anew (and
-    stops them after it).
+    stops them after it). A level during which the client stood still for over ``throughput.STALL_LIMIT_S`` (the
+    machine paused) is measured again, up to :data:`MAX_STALL_RETRIES` times; the level keeps the discarded runs'
+    stalls as ``stalled_runs_s``.
 
     A method's level then runs seconds, not minutes, after the other methods' run of it, where one server per
     method at a time puts minutes of start-up between them: on a shared 2-core machine the speed drifts by up to
@@ -117,6 +123,15 @@ def run_paired(s: Settings, model: str, vllm: str, runs: list[dict]) -> None:
                     prompts[task] = tp.load_benchmark_prompts(task, prompts_needed(s))
                 t0 = time.monotonic()
                 result = asyncio.run(tp.run_benchmark(cfg, prompts[task]))
+                stalls = []
+                while (stall := result["levels"][0].get("client_stall_s") or 0) > tp.STALL_LIMIT_S \
+                        and len(stalls) < MAX_STALL_RETRIES:
+                    stalls.append(stall)
+                    print(f"[compare]   repeat {repeat + 1}/{s.repeats}, {task}, c{c}: {m.name}: the client stood "
+                          f"still for {stall:.1f} s (the machine paused?): measuring the level again", flush=True)
+                    result = asyncio.run(tp.run_benchmark(cfg, prompts[task]))
+                if stalls:
+                    result["levels"][0]["stalled_runs_s"] = stalls
                 rec = records.get((repeat, m.name, task))
                 if rec is None:
                     rec = records[repeat, m.name, task] = {

@@ -50,15 +50,20 @@ def _stats(ms: list[float]) -> dict:
 
 def summarize(iterations: list[dict], requests: int) -> dict:
     """Steps that decoded exactly ``requests`` requests with no prompt tokens: ``no_draft`` (one token each) and
-    ``drafted`` (draft tokens verified too; with their mean ``rows``); and the steps with prompt tokens
-    (``prefill``: how many, their total ms)."""
+    ``drafted`` (draft tokens verified too; with their mean ``rows``), and the drafted ones by the step's number
+    of draft tokens (``by_draft_tokens``); and the steps with prompt tokens (``prefill``: how many, their total
+    ms)."""
     decode = [it for it in iterations if it["ctx_tokens"] == 0 and it["gen_requests"] == requests]
     plain = [it["ms"] for it in decode if it["gen_tokens"] == requests]
     drafted = [it for it in decode if it["gen_tokens"] > requests]
     prefill = [it["ms"] for it in iterations if it["ctx_tokens"] > 0]
+    by_k: dict[int, list[float]] = {}
+    for it in drafted:
+        by_k.setdefault(it["gen_tokens"] - requests, []).append(it["ms"])
     return {"iterations": len(iterations), "no_draft": _stats(plain),
             "drafted": _stats([it["ms"] for it in drafted])
             | {"rows": round(statistics.mean(it["gen_tokens"] for it in drafted), 2) if drafted else None},
+            "by_draft_tokens": {k: _stats(by_k[k]) for k in sorted(by_k)},
             "prefill": {"steps": len(prefill), "total_ms": round(sum(prefill), 1)}}
 
 
@@ -75,11 +80,30 @@ def format_table(results: dict[str, dict], requests: int) -> str:
     return f"Steps of {requests} decoding requests (no prompt tokens), by vLLM's iteration times\n\n" + "\n".join(rows)
 
 
+def format_by_draft_tokens(results: dict[str, dict], requests: int, baseline: str | None = None) -> str:
+    """Per log, the drafted steps by their number of draft tokens: median ms and its ratio to the median step
+    without draft tokens of ``baseline`` (a log's name: a plain server's, so the ratio is a step verifying k
+    draft tokens in plain steps) or, without one, of the same log."""
+    against = f"{baseline}'s no-draft median" if baseline else "no-draft median"
+    rows = [f"| log | draft tokens | steps | median ms | / {against} |", "|---|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        base = results[baseline or name]["no_draft"]["median_ms"]
+        for k, st in r["by_draft_tokens"].items():
+            ratio = f"{st['median_ms'] / base:.3f}" if base else "-"
+            rows.append(f"| {name} | {k} | {st['steps']} | {st['median_ms']:.2f} | {ratio} |")
+    return (f"Drafted steps of {requests} decoding requests by their draft tokens\n\n" + "\n".join(rows))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("logs", nargs="+", help="server logs (vllm serve ... --enable-logging-iteration-details)")
     ap.add_argument("--requests", type=int, default=1, help="decoding requests per step to compare (default 1)")
     ap.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    ap.add_argument("--by-draft-tokens", action="store_true",
+                    help="also a table of the drafted steps by their number of draft tokens")
+    ap.add_argument("--baseline", metavar="LOG",
+                    help="with --by-draft-tokens: the log (one of LOGS, a plain server's) whose no-draft median "
+                         "the drafted steps are divided by (default: each log's own)")
     args = ap.parse_args(argv)
     if args.requests < 1:
         print(f"error: --requests must be >= 1, got {args.requests}", file=sys.stderr)
@@ -96,7 +120,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"--enable-logging-iteration-details?", file=sys.stderr)
             return 2
         results[Path(log).name] = summarize(its, args.requests)
-    print(json.dumps(results, indent=2) if args.json else format_table(results, args.requests))
+    baseline = Path(args.baseline).name if args.baseline else None
+    if baseline is not None and baseline not in results:
+        print(f"error: --baseline {args.baseline} is not one of the logs", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(format_table(results, args.requests))
+        if args.by_draft_tokens:
+            print("\n" + format_by_draft_tokens(results, args.requests, baseline))
     return 0
 
 

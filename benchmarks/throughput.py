@@ -40,6 +40,10 @@ Per level (names as in ``vllm bench serve``; times in ms, statistics over the co
 * ``draft_sources``: with an entmtp server drafting from prompt lookup and heads (``draft_sources``), per source:
   drafts, draft tokens, accepted draft tokens, share of the drafts, MAL incl. the bonus token, from
   ``vllm:entmtp_source_*``;
+* ``client_stall_s``: the longest time this client stood still during the level (a thread that wakes every
+  50 ms, and how late it woke): over :data:`STALL_LIMIT_S` the whole machine stopped, not only the server (a
+  virtual machine paused or snapshotted: seen on the project's build machines as a 27-second gap), and the
+  level's time is not the server's (``benchmarks/compare.py`` measures such a level again);
 * ``tree_choice``: deltas of any counter family named ``vllm_entmtp*``, ``vllm:entmtp*`` or ``entmtp*``, per
   sample name, summed per label set (``engine`` and ``model_name`` summed over), keyed ``{label="value",...}``.
 
@@ -57,6 +61,7 @@ import os
 import platform
 import random
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -78,6 +83,8 @@ SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 SPEC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 TREE_PREFIXES = ("vllm_entmtp", "vllm:entmtp", "entmtp")
 SUMMED_LABELS = frozenset({"engine", "model_name"})  # summed over (one series per engine / served model)
+#: A level during which the client stood still this long (s) did not measure the server alone.
+STALL_LIMIT_S = 1.0
 
 
 def settle_s(snapshot: Snapshot | None) -> float:
@@ -655,6 +662,33 @@ async def fetch_metrics(session: aiohttp.ClientSession, base_url: str,
 
 
 # ------------------------------------------------------------------------------------------ load levels
+class StallWatch:
+    """The longest time this process stood still inside a ``with`` block: a thread wakes every ``interval_s``
+    and keeps the most it woke late (``max_gap_s``). A busy client delays it by a few ms (the GIL's switch
+    interval); a process stopped, or a virtual machine paused, by the whole pause."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self.max_gap_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="stall-watch", daemon=True)
+
+    def _watch(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.wait(self.interval_s):
+            now = time.perf_counter()
+            self.max_gap_s = max(self.max_gap_s, now - last - self.interval_s)
+            last = now
+
+    def __enter__(self) -> StallWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 async def run_level(session: aiohttp.ClientSession, url: str, payloads: list[dict], num_requests: int,
                     concurrency: int | None, rate: float | None, max_seconds: float | None, seed: int,
                     progress: bool, desc: str) -> tuple[list[RequestRecord], float]:
@@ -723,13 +757,15 @@ async def run_benchmark(cfg: Config, prompts: list[list[dict]]) -> dict:
         for level in cfg.levels:
             c, rate = level["concurrency"], level["request_rate"]
             desc = f"concurrency {c}" if rate is None else f"rate {rate:g}/s"
-            records, duration = await run_level(
-                session, url, payloads, cfg.requests_at(c, len(prompts)), c, rate, cfg.max_seconds,
-                cfg.seed if cfg.seed is not None else 0, cfg.progress, desc)
+            with StallWatch() as watch:
+                records, duration = await run_level(
+                    session, url, payloads, cfg.requests_at(c, len(prompts)), c, rate, cfg.max_seconds,
+                    cfg.seed if cfg.seed is not None else 0, cfg.progress, desc)
             await asyncio.sleep(wait)  # the level's last steps are published
             after = await fetch_metrics(session, cfg.base_url)
             result = {"concurrency": c, "request_rate": rate if rate is None or math.isfinite(rate) else "inf"}
             result.update(summarize(records, duration))
+            result["client_stall_s"] = round(watch.max_gap_s, 3)
             have_metrics = before is not None and after is not None
             result["spec_decode"] = spec_decode_delta(before, after) if have_metrics else None
             result["tree_choice"] = tree_choice_delta(before, after) if have_metrics else {}
@@ -768,6 +804,10 @@ def format_table(levels: list[dict]) -> str:
         for err in r["errors"]:
             load = f"concurrency {r['concurrency']}" if r["request_rate"] is None else f"rate {r['request_rate']}"
             rows.append(f"error at {load}: {err}")
+        if (r.get("client_stall_s") or 0) > STALL_LIMIT_S:
+            load = f"concurrency {r['concurrency']}" if r["request_rate"] is None else f"rate {r['request_rate']}"
+            rows.append(f"warning at {load}: this client stood still for {r['client_stall_s']:.1f} s (the machine "
+                        f"paused?): the level's figures are not the server's alone; measure it again")
     return "\n".join(rows)
 
 

@@ -253,6 +253,52 @@ def test_run_paired_interrupted_keeps_what_it_measured_and_stops_the_servers(tmp
     assert [(r["method"], len(r["levels"])) for r in runs] == [("plain", 1), ("entmtp", 1)]
 
 
+def test_run_paired_measures_a_level_again_when_the_machine_stood_still(tmp_path, monkeypatch):
+    servers, calls = FakeServers(), []
+    monkeypatch.setattr(crun, "Server", servers)
+    monkeypatch.setattr(tp, "load_benchmark_prompts", lambda task, k: [[{"role": "user", "content": "x"}]] * k)
+    # plain's first level stands still twice (27 s, then 3 s), entmtp's second level three times
+    stalls = {(9000, 1): [27.0, 3.0, 0.02], (9001, 4): [5.0, 5.0, 5.0, 0.0]}
+
+    async def fake_run(cfg, prompts):
+        port = int(cfg.base_url.rsplit(":", 1)[1])
+        (c,) = [lv["concurrency"] for lv in cfg.levels]
+        calls.append((port, c))
+        left = stalls.get((port, c)) or [0.01]
+        return {"config": {}, "levels": [level(c, 10.0 * len(calls)) | {"client_stall_s": left.pop(0)}]}
+
+    monkeypatch.setattr(tp, "run_benchmark", fake_run)
+    runs: list = []
+    crun.run_paired(paired_settings(tmp_path, repeats=1), "model", "vllm", runs)
+    # plain c1 ran three times (two stalls), entmtp c4 three times (MAX_STALL_RETRIES = 2: the third is kept)
+    assert calls == [(9000, 1)] * 3 + [(9001, 1), (9001, 4), (9001, 4), (9001, 4), (9000, 4)]
+    levels = {(r["method"], lv["concurrency"]): lv for r in runs for lv in r["levels"]}
+    assert levels["plain", 1]["stalled_runs_s"] == [27.0, 3.0]
+    assert levels["plain", 1]["output_throughput"] == 30.0 and levels["plain", 1]["client_stall_s"] == 0.02
+    assert levels["entmtp", 4]["stalled_runs_s"] == [5.0, 5.0] and levels["entmtp", 4]["client_stall_s"] == 5.0
+    assert "stalled_runs_s" not in levels["entmtp", 1]
+    lines = rep.stall_lines(runs)
+    assert lines == ["- plain / humaneval / concurrency 1 / repeat 1: measured again after stalls of 27.0, 3.0 s",
+                     "- entmtp / humaneval / concurrency 4 / repeat 1: measured again after stalls of 5.0, 5.0 s",
+                     "- entmtp / humaneval / concurrency 4 / repeat 1: kept with a stall of 5.0 s: this repeat of "
+                     "the level is left out of every method's figures"]
+    doc = hand_doc(hand_runs())
+    doc["runs"][0]["levels"][0]["stalled_runs_s"] = [27.0]
+    doc["aggregate"] = agg.aggregate(doc["runs"])
+    md = rep.render_report(doc)
+    assert "## The machine stood still" in md and "measured again after stalls of 27.0 s" in md
+    doc["runs"][0]["levels"][0].pop("stalled_runs_s")
+    assert "stood still" not in rep.render_report(doc)
+    # a level kept with a stall: that repeat of the level is left out for every method, the other repeat stays
+    runs = hand_runs()
+    runs[0]["levels"][0]["client_stall_s"] = 27.0  # plain, humaneval, c1, repeat 0
+    assert agg.stalled_cells(runs) == {("humaneval", 1, 0)}
+    rows = {(r["method"], r["concurrency"]): r for r in agg.aggregate(runs)}
+    assert rows["entmtp", 1]["repeats"] == [1] and rows["plain", 1]["repeats"] == [1]
+    assert rows["entmtp", 1]["ratios"]["plain"]["mean"] == pytest.approx(1.0)  # repeat 1's 20 / 20 only
+    assert rows["entmtp", 4]["repeats"] == [0, 1]
+
+
 def test_report_says_the_run_was_paired():
     doc = hand_doc(hand_runs())
     doc["settings"]["paired"] = True

@@ -54,6 +54,7 @@ def test_vllms_lines_are_read_and_like_steps_compared():
     s = it.summarize(its, 2)
     assert s["no_draft"] == {"steps": 3, "median_ms": 22.0, "mean_ms": 24.0}
     assert s["drafted"] == {"steps": 1, "median_ms": 25.0, "mean_ms": 25.0, "rows": 5.0}
+    assert s["by_draft_tokens"] == {3: {"steps": 1, "median_ms": 25.0, "mean_ms": 25.0}}
     assert s["prefill"] == {"steps": 2, "total_ms": 147.5}
     assert it.summarize(its, 3)["no_draft"]["steps"] == 0
 
@@ -67,6 +68,27 @@ def test_cli_table_and_a_log_without_iteration_lines(tmp_path, capsys):
     assert "| a.log | 2 | 1 | 10.00 | 10.00 | 1 | 12.00 | 3.00 | 0 |" in out
     assert it.main([str(good), str(bad)]) == 2
     assert "b.log has no iteration lines" in capsys.readouterr().err
+
+
+def test_drafted_steps_by_draft_tokens_against_a_plain_log(tmp_path, capsys):
+    plain, spec = tmp_path / "plain.log", tmp_path / "spec.log"
+    plain.write_text("\n".join(vllm_lines([(0, 0, 1, 1, 10.0, False), (0, 0, 1, 1, 12.0, False)])) + "\n")
+    spec.write_text("\n".join(vllm_lines([(0, 0, 1, 1, 13.0, False),   # no draft tokens
+                                          (0, 0, 1, 2, 11.0, False),   # one draft token
+                                          (0, 0, 1, 2, 12.0, False),
+                                          (0, 0, 1, 2, 16.0, False),
+                                          (0, 0, 1, 3, 13.2, False)])) + "\n")  # two
+    s = it.summarize(it.parse_iterations(spec.read_text().splitlines()), 1)
+    assert s["by_draft_tokens"] == {1: {"steps": 3, "median_ms": 12.0, "mean_ms": 13.0},
+                                    2: {"steps": 1, "median_ms": 13.2, "mean_ms": 13.2}}
+    assert it.main([str(plain), str(spec), "--by-draft-tokens", "--baseline", str(plain)]) == 0
+    out = capsys.readouterr().out
+    assert "| spec.log | 1 | 3 | 12.00 | 1.091 |" in out  # 12.0 / plain's 11.0
+    assert "| spec.log | 2 | 1 | 13.20 | 1.200 |" in out
+    assert it.main([str(spec), "--by-draft-tokens"]) == 0  # each log against its own steps without drafts
+    assert "| spec.log | 1 | 3 | 12.00 | 0.923 |" in capsys.readouterr().out
+    assert it.main([str(spec), "--by-draft-tokens", "--baseline", "other.log"]) == 2
+    assert "--baseline other.log is not one of the logs" in capsys.readouterr().err
 
 
 def test_bad_requests(tmp_path, capsys):

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -365,7 +369,29 @@ def test_end_to_end_concurrency_sweep(server, tmp_path, capsys):
         assert spec["num_accepted_tokens_per_position"] == [14, 7, 0]
         assert spec["mean_acceptance_length_incl_bonus"] == pytest.approx(2.5)
         assert level["tree_choice"] == {"vllm_entmtp_tree_choice_total": {'{tree="chain"}': 14}}
-    assert "conc 1" in stdout and "conc 3" in stdout and "2.50" in stdout
+        assert 0 <= level["client_stall_s"] < tp.STALL_LIMIT_S
+    assert "conc 1" in stdout and "conc 3" in stdout and "2.50" in stdout and "stood still" not in stdout
+    paused = result["levels"][1] | {"client_stall_s": 27.4}
+    assert ("warning at concurrency 3: this client stood still for 27.4 s (the machine paused?)"
+            in tp.format_table([result["levels"][0], paused]))
+
+
+def test_stall_watch_sees_the_process_stopped():
+    """A paused virtual machine stops every process on it, the load generator too: a process stopped (SIGSTOP)
+    for 1.5 s sees that gap in its StallWatch."""
+    code = ("import sys, time\nsys.path.insert(0, %r)\nimport throughput as tp\n"
+            "with tp.StallWatch() as w:\n    print('ready', flush=True)\n    time.sleep(3.0)\n"
+            "print(w.max_gap_s, flush=True)\n") % str(ROOT / "benchmarks")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(1.5)
+        os.kill(p.pid, signal.SIGCONT)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 0 and float(out) >= 1.2
 
 
 def test_fill_levels_sends_a_full_batch_at_every_level(server, tmp_path):

@@ -42,7 +42,7 @@ def stalled_cells(runs: list[dict]) -> set[tuple[str, int, int]]:
     """``(task, concurrency, repeat)`` of the levels kept although the machine stood still during one method's
     run of them (``client_stall_s`` over ``throughput.STALL_LIMIT_S``)."""
     return {(run["task"], lv["concurrency"], run["repeat"]) for run in runs for lv in run["levels"]
-            if (lv.get("client_stall_s") or 0) > tp.STALL_LIMIT_S}
+            if tp.stalled(lv)}
 
 
 def _levels_by_key(runs: list[dict]) -> dict[tuple, dict[int, dict]]:

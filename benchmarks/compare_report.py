@@ -160,7 +160,7 @@ def stall_lines(runs: list[dict]) -> list[str]:
             redone = lv.get("stalled_runs_s") or []
             if redone:
                 out.append(f"{where}: measured again after stalls of {', '.join(f'{x:.1f}' for x in redone)} s")
-            if (lv.get("client_stall_s") or 0) > tp.STALL_LIMIT_S:
+            if tp.stalled(lv):
                 out.append(f"{where}: kept with a stall of {lv['client_stall_s']:.1f} s: this repeat of the level "
                            f"is left out of every method's figures")
     return out

@@ -124,11 +124,10 @@ def run_paired(s: Settings, model: str, vllm: str, runs: list[dict]) -> None:
                 t0 = time.monotonic()
                 result = asyncio.run(tp.run_benchmark(cfg, prompts[task]))
                 stalls = []
-                while (stall := result["levels"][0].get("client_stall_s") or 0) > tp.STALL_LIMIT_S \
-                        and len(stalls) < MAX_STALL_RETRIES:
-                    stalls.append(stall)
+                while tp.stalled(result["levels"][0]) and len(stalls) < MAX_STALL_RETRIES:
+                    stalls.append(result["levels"][0]["client_stall_s"])
                     print(f"[compare]   repeat {repeat + 1}/{s.repeats}, {task}, c{c}: {m.name}: the client stood "
-                          f"still for {stall:.1f} s (the machine paused?): measuring the level again", flush=True)
+                          f"still for {stalls[-1]:.1f} s (the machine paused?): measuring the level again", flush=True)
                     result = asyncio.run(tp.run_benchmark(cfg, prompts[task]))
                 if stalls:
                     result["levels"][0]["stalled_runs_s"] = stalls

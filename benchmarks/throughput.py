@@ -87,6 +87,11 @@ SUMMED_LABELS = frozenset({"engine", "model_name"})  # summed over (one series p
 STALL_LIMIT_S = 1.0
 
 
+def stalled(level: dict) -> bool:
+    """Whether the client stood still for over :data:`STALL_LIMIT_S` during ``level`` (``client_stall_s``)."""
+    return (level.get("client_stall_s") or 0) > STALL_LIMIT_S
+
+
 def settle_s(snapshot: Snapshot | None) -> float:
     """Seconds to wait, once requests have stopped, before ``/metrics`` counts all their steps: for a server with
     spec-decode counters (entmtp's among them), the entmtp drafters' publication interval (``PUBLISH_INTERVAL_S``,
@@ -801,11 +806,9 @@ def format_table(levels: list[dict]) -> str:
             rows.append(f"draft sources at {load}: " + ", ".join(
                 f"{src} {v['share']:.0%} of drafts, MAL {_fmt(v['mean_acceptance_length_incl_bonus'], '.2f')}"
                 for src, v in r["draft_sources"].items()))
-        for err in r["errors"]:
-            load = f"concurrency {r['concurrency']}" if r["request_rate"] is None else f"rate {r['request_rate']}"
-            rows.append(f"error at {load}: {err}")
-        if (r.get("client_stall_s") or 0) > STALL_LIMIT_S:
-            load = f"concurrency {r['concurrency']}" if r["request_rate"] is None else f"rate {r['request_rate']}"
+        load = f"concurrency {r['concurrency']}" if r["request_rate"] is None else f"rate {r['request_rate']}"
+        rows += [f"error at {load}: {err}" for err in r["errors"]]
+        if stalled(r):
             rows.append(f"warning at {load}: this client stood still for {r['client_stall_s']:.1f} s (the machine "
                         f"paused?): the level's figures are not the server's alone; measure it again")
     return "\n".join(rows)

@@ -10,6 +10,12 @@ kernels once, at one row and at :data:`LARGE_ROWS` rows, and keeps the faster of
 
 All candidates compute ``x @ W.T + b`` on the same weights; they differ in rounding (float16 candidates by up to
 1e-3 relative), which can change a draft token at a near-tie and never the output (verification decides).
+
+Not a candidate: int8 weights (per output row, torch's ``aten._weight_int8pack_mm``). Tried 2026-12-04 on the
+2-core EPYC (bfloat16, in one engine, a chain of 2 for every request, GSM8K): with the weights cold, as after the
+target's forward, it cut the heads' time per step from 1.06-1.11 to 0.90-0.96 ms, but its rounding changed the
+first draft token in 4-10 % of the steps against the bfloat16 heads (the head blocks read the target's hidden
+state, whose few large channels dominate a row's 8-bit error), and the same prompts took 825 steps against 786.
 """
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ context, so on long chat prompts it costs far more than on short code prompts) a
 text is not like the calibration's. :meth:`StepCosts.record_step` keeps, per batch size, what each decode step
 emitted (one token per request plus its accepted draft tokens) and took (from its inputs to the end of its
 drafting), apart for steps that verified draft tokens and steps that verified none (not the steps in which a
-request held itself to a tree); where the former have
+request held itself to a tree), among the last :data:`STEP_RATE_MAX_AGE` engine steps; where the former have
 emitted fewer tokens per second (:meth:`StepCosts.drafting_loses`), the drafter drafts nothing at that batch size,
 runs neither prompt lookup nor the heads, and explores as above (2026-12-02, served, ShareGPT, 16 running,
 bfloat16: entmtp ran 0.78-0.92x plain decoding while drafting in a quarter of the request-steps). A batch size
@@ -95,11 +95,21 @@ YIELD_MIN_STEPS = 8
 #: the confidence pass drafted nothing read a yield of 0 and stopped the heads, while in both the steps that
 #: verified drafts emitted 105-249 tokens per second against 75-95 for steps that verified none.
 YIELD_MAX_AGE = 64
+#: The realised comparison (:meth:`StepCosts.drafting_loses`) reads the decode steps among the last this many
+#: engine steps in which the drafter ran (:meth:`StepCosts.tick`), as the heads' yield does: a verdict that
+#: drafting loses lapses once fewer than :data:`COMPARE_MIN_DRAFTING` of its drafted steps are that recent, and the
+#: drafts of the text now running judge anew (where the load rule says a draft could pay at all). Before (the last
+#: 16 drafted steps, with no age), in-process at one request on ShareGPT (2026-12-04, bfloat16, 8 prompts of 128
+#: tokens one after another), a stretch in which one request's drafts were mostly rejected made the drafter rest in
+#: 129-170 of some 680 steps, through the next requests, while over the run its steps with drafts emitted 191-239
+#: tokens per second against 85-91 for steps without: while it rests only exploring steps (1 in
+#: :data:`PROBE_EVERY`) draft, too few to move a window of 16.
+STEP_RATE_MAX_AGE = 128
 
 
 def _rate(obs) -> float:
-    """Tokens per second over ``(tokens, seconds)`` observations."""
-    return sum(t for t, _ in obs) / sum(s for _, s in obs)
+    """Tokens per second over ``(tokens, seconds, ...)`` observations."""
+    return sum(o[0] for o in obs) / sum(o[1] for o in obs)
 
 
 class StepCosts:
@@ -147,16 +157,19 @@ class StepCosts:
         tokens) in ``seconds`` (from its inputs to the end of its drafting); ``drafted``: it verified draft
         tokens."""
         if batch_size >= 1 and seconds > 0:
-            self._add(self._steps[drafted], f"step-{drafted}", batch_size, (float(tokens), seconds))
+            self._add(self._steps[drafted], f"step-{drafted}", batch_size, (float(tokens), seconds, self._clock))
 
     def tick(self) -> None:
         """An engine step in which the drafter ran (any batch size, prompt chunks or not): the heads' yield
-        observations age by these; those older than :data:`YIELD_MAX_AGE` of them are dropped (each batch size's
-        are kept in the order they came, so the oldest are on the left)."""
+        observations age by these; those older than :data:`YIELD_MAX_AGE` of them are dropped, and the decode
+        steps' older than :data:`STEP_RATE_MAX_AGE` (each batch size's are kept in the order they came, so the
+        oldest are on the left)."""
         self._clock += 1
-        for obs in self._yield.values():
-            while obs and self._clock - obs[0][2] > YIELD_MAX_AGE:
-                obs.popleft()
+        for table, age in ((self._yield, YIELD_MAX_AGE), (self._steps[True], STEP_RATE_MAX_AGE),
+                           (self._steps[False], STEP_RATE_MAX_AGE)):
+            for obs in table.values():
+                while obs and self._clock - obs[0][2] > age:
+                    obs.popleft()
 
     def step_rates(self, batch_size: int) -> tuple[float, float] | None:
         """Tokens per second of the recent decode steps that verified draft tokens and of those that verified none,

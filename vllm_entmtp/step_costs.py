@@ -101,9 +101,10 @@ YIELD_MAX_AGE = 64
 #: drafts of the text now running judge anew (where the load rule says a draft could pay at all). Before (the last
 #: 16 drafted steps, with no age), in-process at one request on ShareGPT (2026-12-04, bfloat16, 8 prompts of 128
 #: tokens one after another), a stretch in which one request's drafts were mostly rejected made the drafter rest in
-#: 129-170 of some 680 steps, through the next requests, while over the run its steps with drafts emitted 191-239
-#: tokens per second against 85-91 for steps without: while it rests only exploring steps (1 in
-#: :data:`PROBE_EVERY`) draft, too few to move a window of 16.
+#: 99 and 129 of 603 and 684 steps (two runs), through the next requests, while over each run its steps with drafts
+#: emitted 191-239 tokens per second against 85-91 for steps without: while it rests only exploring steps (1 in
+#: :data:`PROBE_EVERY`) draft, too few to move a window of 16. Aged, the same run rested in none
+#: (``benchmarks/results/lookup-and-rest-2026-12-04/``).
 STEP_RATE_MAX_AGE = 128
 
 

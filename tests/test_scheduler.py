@@ -674,25 +674,27 @@ def test_a_low_heads_yield_ages_out_and_the_heads_are_judged_again():
 
 
 def test_a_verdict_that_drafting_loses_lapses_as_its_steps_age():
-    """The realised comparison reads the decode steps of the last STEP_RATE_MAX_AGE drafter steps (tick): a stretch
-    whose drafts were rejected makes the drafter rest only until fewer than COMPARE_MIN_DRAFTING of its drafted
-    steps are that recent (resting steps add undrafted ones only); then no verdict stands (drafting is tried) and
-    fresh steps judge anew."""
+    """The realised comparison reads the decode steps of the last STEP_RATE_MAX_AGE drafter steps of their batch
+    size (tick): a stretch whose drafts were rejected makes the drafter rest only until fewer than
+    COMPARE_MIN_DRAFTING of its drafted steps are that recent (resting steps add undrafted ones only); then no
+    verdict stands (drafting is tried) and fresh steps judge anew. Steps of other batch sizes do not age it."""
     from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, STEP_RATE_MAX_AGE, StepCosts
 
     c = StepCosts()
     for _ in range(COMPARE_MIN_DRAFTING + 1):  # drafts all rejected: 1 token in 13 ms (77 tokens/s); the first
-        c.tick()                               # observation of a kind is dropped when the second comes
+        c.tick(1)                              # observation of a kind is dropped when the second comes
         c.record_step(1, 1, 0.013, drafted=True)
-    assert c._clock == COMPARE_MIN_DRAFTING + 1  # the oldest drafted step kept came at tick 2
-    for _ in range(STEP_RATE_MAX_AGE + 2 - c._clock):  # resting: plain steps, 1 token in 11 ms (91 tokens/s)
-        c.tick()
+    assert c._size_clock[1] == COMPARE_MIN_DRAFTING + 1  # the oldest drafted step kept came at tick 2
+    for _ in range(3 * STEP_RATE_MAX_AGE):  # steps of another batch size do not age batch size 1's
+        c.tick(16)
+    for _ in range(STEP_RATE_MAX_AGE + 2 - c._size_clock[1]):  # resting: plain steps, 1 token in 11 ms (91 tok/s)
+        c.tick(1)
         c.record_step(1, 1, 0.011, drafted=False)
     assert c.drafting_loses(1)  # the oldest drafted step is STEP_RATE_MAX_AGE steps old: it still counts
-    c.tick()
+    c.tick(1)
     assert c.step_rates(1) is None and not c.drafting_loses(1)  # 7 recent drafted steps: no verdict
     for _ in range(COMPARE_MIN_DRAFTING):  # the text now running: 2 tokens in 13 ms (154 tokens/s)
-        c.tick()
+        c.tick(1)
         c.record_step(1, 2, 0.013, drafted=True)
     assert c.step_rates(1) == pytest.approx((2 / 0.013, 1 / 0.011)) and not c.drafting_loses(1)
 

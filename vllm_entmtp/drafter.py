@@ -560,7 +560,7 @@ class EntMTPProposer(MedusaProposer):
                               bonus=bonus)
         costs = self.step_costs
         if costs is not None:
-            costs.tick()  # the heads' yield and the decode steps' rates age by the drafter's steps
+            costs.tick(n)  # the heads' yield ages by the drafter's steps, the decode steps' rates by their size's
         # a decode step: what it emitted against what it took, for the load rule's realised comparison; not where a
         # request held itself to a tree (verified this step or drafted for the next): those drafts are the
         # request's choice, not the rule's (a benchmark's static trees had made the rule rest)

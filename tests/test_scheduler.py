@@ -652,24 +652,24 @@ def test_a_low_heads_yield_ages_out_and_the_heads_are_judged_again():
         c.record_heads_yield(1, 0.1, 0.005)
     assert c.heads_yield(1) == pytest.approx(20.0) and not s.drafting_pays(1, c)
     for _ in range(YIELD_MAX_AGE):  # resting steps: no new yield
-        c.tick()
+        c.tick(1)
     assert not s.drafting_pays(1, c)  # the youngest observation is YIELD_MAX_AGE steps old: it still counts
-    c.tick()
+    c.tick(1)
     assert c.heads_yield(1) is None and s.drafting_pays(1, c) and c.summary()["heads_yield"] == {}
     for _ in range(YIELD_MIN_STEPS):  # fresh observations, a request the heads predict well: judged again
         c.record_heads_yield(1, 1.5, 0.0025)
     assert c.heads_yield(1) == pytest.approx(600.0) and s.drafting_pays(1, c)
     for _ in range(16):  # a stretch where the confidence pass drafts nothing (0 accepted for 1 ms each), 16 steps
-        c.tick()
+        c.tick(1)
         c.record_heads_yield(1, 0, 0.001)
-        c.record_step(1, 1, 0.025, drafted=False)  # recording a step does not age the yield: only tick() does
+        c.record_step(1, 1, 0.025, drafted=False)  # recording a step does not age the yield: only tick(1) does
     # judged over the heads' steps of the last YIELD_MAX_AGE steps, not the stretch alone: 12 tokens in 36 ms
     assert c.heads_yield(1) == pytest.approx(12 / 0.036) and s.drafting_pays(1, c)
     for _ in range(YIELD_MAX_AGE - 15):  # the 8 good ones are YIELD_MAX_AGE + 1 steps old: only the stretch is left
-        c.tick()
+        c.tick(1)
     assert c.heads_yield(1) == 0.0 and not s.drafting_pays(1, c)
     for _ in range(16 - YIELD_MIN_STEPS + 1):  # the stretch ages out one by one: fewer than 8 left, not judged
-        c.tick()
+        c.tick(1)
     assert c.heads_yield(1) is None and s.drafting_pays(1, c)
 
 

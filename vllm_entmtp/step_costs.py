@@ -165,7 +165,7 @@ class StepCosts:
             self._add(self._steps[drafted], f"step-{drafted}", batch_size,
                       (float(tokens), seconds, self._size_clock.get(batch_size, 0)))
 
-    def tick(self, batch_size: int | None = None) -> None:
+    def tick(self, batch_size: int) -> None:
         """An engine step of ``batch_size`` requests in which the drafter ran (prompt chunks or not): the heads'
         yield observations age by these steps, of any batch size: those older than :data:`YIELD_MAX_AGE` of them
         are dropped. The decode steps of the realised comparison age by the steps of their own batch size: those
@@ -176,8 +176,6 @@ class StepCosts:
         for obs in self._yield.values():
             while obs and self._clock - obs[0][2] > YIELD_MAX_AGE:
                 obs.popleft()
-        if batch_size is None:
-            return
         now = self._size_clock[batch_size] = self._size_clock.get(batch_size, 0) + 1
         for table in self._steps.values():
             obs = table.get(batch_size)

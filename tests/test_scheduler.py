@@ -652,51 +652,80 @@ def test_a_low_heads_yield_ages_out_and_the_heads_are_judged_again():
         c.record_heads_yield(1, 0.1, 0.005)
     assert c.heads_yield(1) == pytest.approx(20.0) and not s.drafting_pays(1, c)
     for _ in range(YIELD_MAX_AGE):  # resting steps: no new yield
-        c.tick(1)
+        c.tick()
     assert not s.drafting_pays(1, c)  # the youngest observation is YIELD_MAX_AGE steps old: it still counts
-    c.tick(1)
+    c.tick()
     assert c.heads_yield(1) is None and s.drafting_pays(1, c) and c.summary()["heads_yield"] == {}
     for _ in range(YIELD_MIN_STEPS):  # fresh observations, a request the heads predict well: judged again
         c.record_heads_yield(1, 1.5, 0.0025)
     assert c.heads_yield(1) == pytest.approx(600.0) and s.drafting_pays(1, c)
     for _ in range(16):  # a stretch where the confidence pass drafts nothing (0 accepted for 1 ms each), 16 steps
-        c.tick(1)
+        c.tick()
         c.record_heads_yield(1, 0, 0.001)
-        c.record_step(1, 1, 0.025, drafted=False)  # recording a step does not age the yield: only tick(1) does
+        c.record_step(1, 1, 0.025, drafted=False)  # recording a step does not age the yield: only tick() does
     # judged over the heads' steps of the last YIELD_MAX_AGE steps, not the stretch alone: 12 tokens in 36 ms
     assert c.heads_yield(1) == pytest.approx(12 / 0.036) and s.drafting_pays(1, c)
     for _ in range(YIELD_MAX_AGE - 15):  # the 8 good ones are YIELD_MAX_AGE + 1 steps old: only the stretch is left
-        c.tick(1)
+        c.tick()
     assert c.heads_yield(1) == 0.0 and not s.drafting_pays(1, c)
     for _ in range(16 - YIELD_MIN_STEPS + 1):  # the stretch ages out one by one: fewer than 8 left, not judged
-        c.tick(1)
+        c.tick()
     assert c.heads_yield(1) is None and s.drafting_pays(1, c)
 
 
 def test_a_verdict_that_drafting_loses_lapses_as_its_steps_age():
-    """The realised comparison reads the decode steps of the last STEP_RATE_MAX_AGE drafter steps of their batch
-    size (tick): a stretch whose drafts were rejected makes the drafter rest only until fewer than
+    """The realised comparison reads the decode steps of the last STEP_RATE_MAX_AGE drafter steps (tick), of any
+    batch size: a stretch whose drafts were rejected makes the drafter rest only until fewer than
     COMPARE_MIN_DRAFTING of its drafted steps are that recent (resting steps add undrafted ones only); then no
-    verdict stands (drafting is tried) and fresh steps judge anew. Steps of other batch sizes do not age it."""
+    verdict stands (drafting is tried) and fresh steps judge anew."""
     from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, STEP_RATE_MAX_AGE, StepCosts
 
     c = StepCosts()
     for _ in range(COMPARE_MIN_DRAFTING + 1):  # drafts all rejected: 1 token in 13 ms (77 tokens/s); the first
-        c.tick(1)                              # observation of a kind is dropped when the second comes
+        c.tick()                               # observation of a kind is dropped when the second comes
         c.record_step(1, 1, 0.013, drafted=True)
-    assert c._size_clock[1] == COMPARE_MIN_DRAFTING + 1  # the oldest drafted step kept came at tick 2
-    for _ in range(3 * STEP_RATE_MAX_AGE):  # steps of another batch size do not age batch size 1's
-        c.tick(16)
-    for _ in range(STEP_RATE_MAX_AGE + 2 - c._size_clock[1]):  # resting: plain steps, 1 token in 11 ms (91 tok/s)
-        c.tick(1)
+    assert c._clock == COMPARE_MIN_DRAFTING + 1  # the oldest drafted step kept came at tick 2
+    for _ in range(STEP_RATE_MAX_AGE + 2 - c._clock):  # resting: plain steps, 1 token in 11 ms (91 tokens/s)
+        c.tick()
         c.record_step(1, 1, 0.011, drafted=False)
     assert c.drafting_loses(1)  # the oldest drafted step is STEP_RATE_MAX_AGE steps old: it still counts
-    c.tick(1)
+    c.tick()
     assert c.step_rates(1) is None and not c.drafting_loses(1)  # 7 recent drafted steps: no verdict
     for _ in range(COMPARE_MIN_DRAFTING):  # the text now running: 2 tokens in 13 ms (154 tokens/s)
-        c.tick(1)
+        c.tick()
         c.record_step(1, 2, 0.013, drafted=True)
     assert c.step_rates(1) == pytest.approx((2 / 0.013, 1 / 0.011)) and not c.drafting_loses(1)
+
+
+def test_steps_without_drafts_are_asked_for_where_drafted_ones_have_no_recent_reference():
+    """needs_reference: where a batch size (or one within a quarter of it) has COMPARE_MIN_DRAFTING recent drafted
+    steps and none has COMPARE_MIN_PLAIN recent steps without drafts, the next steps draft nothing, until the
+    comparison can judge. The served case (2026-12-04): plain steps at 32 requests on long chat prompts (80 ms),
+    then other traffic, then short math prompts at 32 whose drafted steps emit 54 tokens in 98 ms (551 tokens/s)
+    against their own plain step's 32 in 52 ms (615 tokens/s): compared with the chat steps (400 tokens/s) drafting
+    would have won; aged out, they leave no verdict, so references are taken and drafting is found to lose."""
+    from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, COMPARE_MIN_PLAIN, STEP_RATE_MAX_AGE, StepCosts
+
+    c = StepCosts()
+    assert not c.needs_reference(32)  # nothing drafted: nothing to compare
+    for _ in range(COMPARE_MIN_PLAIN + 1):  # chat prompts at 32 requests, no drafts
+        c.tick()
+        c.record_step(32, 32, 0.080, drafted=False)
+    for _ in range(STEP_RATE_MAX_AGE):  # other traffic (one request at a time)
+        c.tick()
+    for i in range(COMPARE_MIN_DRAFTING + 1):  # math prompts at 32, drafted: no reference asked for until 8 count
+        assert not c.needs_reference(32)
+        c.tick()
+        c.record_step(32, 54, 0.098, drafted=True)
+    assert c.step_rates(32) is None and not c.drafting_loses(32)  # the chat steps aged out: no verdict
+    assert c.needs_reference(32) and c.needs_reference(30) and c.needs_reference(40)  # within a quarter of 32
+    assert not c.needs_reference(23) and not c.needs_reference(43) and c.references == 3
+    for _ in range(COMPARE_MIN_PLAIN + 1):  # the references: the math prompts' own plain steps
+        c.tick()
+        c.record_step(32, 32, 0.052, drafted=False)
+    assert not c.needs_reference(32) and c.references == 3
+    assert c.step_rates(32) == pytest.approx((54 / 0.098, 32 / 0.052)) and c.drafting_loses(32)
+    assert c.summary()["references"] == 3
 
 
 def test_an_exploring_step_drafts_from_32_requests_on_too():

@@ -364,7 +364,9 @@ class EntMTPProposer(MedusaProposer):
 
     def _propose_scheduled(self, hidden, bonus, req_ids, budgets, active):
         """EntMTP: update each request's signals, let the scheduler pick its tree, draft it. Under the measured
-        load policy, a step that probes the plain step's cost, or in which no draft can pay at this batch size
+        load policy, a step that probes the plain step's cost (or gives the realised comparison a recent step
+        without drafts: :meth:`~vllm_entmtp.step_costs.StepCosts.needs_reference`), or in which no draft can pay
+        at this batch size
         (or where steps that verified drafts have emitted fewer tokens per second than steps that verified none:
         :meth:`~vllm_entmtp.step_costs.StepCosts.drafting_loses`; then prompt lookup does not search either),
         drafts nothing and runs no head (unless a request holds itself to a tree; and every
@@ -381,7 +383,8 @@ class EntMTPProposer(MedusaProposer):
         costs = self.step_costs
         free = all(f is None for f in forced)
         self._proposed_free = free
-        probe = costs is not None and free and costs.needs_probe(n)
+        # a plain step of this many rows is not measured, or the realised comparison lacks recent steps without drafts
+        probe = costs is not None and free and (costs.needs_probe(n) or costs.needs_reference(n))
         # where the steps that verified drafts have emitted fewer tokens per second than those that verified none,
         # nothing is drafted (no lookup search, no head), but now and then the schedule explores (needs_exploration)
         resting = costs is not None and free and not probe and costs.drafting_loses(n)
@@ -560,7 +563,7 @@ class EntMTPProposer(MedusaProposer):
                               bonus=bonus)
         costs = self.step_costs
         if costs is not None:
-            costs.tick(n)  # the heads' yield ages by the drafter's steps, the decode steps' rates by their size's
+            costs.tick()  # the heads' yield and the decode steps' rates age by the drafter's steps
         # a decode step: what it emitted against what it took, for the load rule's realised comparison; not where a
         # request held itself to a tree (verified this step or drafted for the next): those drafts are the
         # request's choice, not the rule's (a benchmark's static trees had made the rule rest)

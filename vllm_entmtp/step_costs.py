@@ -53,10 +53,14 @@ context, so on long chat prompts it costs far more than on short code prompts) a
 text is not like the calibration's. :meth:`StepCosts.record_step` keeps, per batch size, what each decode step
 emitted (one token per request plus its accepted draft tokens) and took (from its inputs to the end of its
 drafting), apart for steps that verified draft tokens and steps that verified none (not the steps in which a
-request held itself to a tree), among the last :data:`STEP_RATE_MAX_AGE` steps of its batch size; where the former have
+request held itself to a tree), among the last :data:`STEP_RATE_MAX_AGE` engine steps; where the former have
 emitted fewer tokens per second (:meth:`StepCosts.drafting_loses`), the drafter drafts nothing at that batch size,
 runs neither prompt lookup nor the heads, and explores as above (2026-12-02, served, ShareGPT, 16 running,
-bfloat16: entmtp ran 0.78-0.92x plain decoding while drafting in a quarter of the request-steps). A batch size
+bfloat16: entmtp ran 0.78-0.92x plain decoding while drafting in a quarter of the request-steps). Both sides of
+the comparison must come from the text now running: where drafted steps near a batch size are recent enough to
+compare but steps without drafts are not, the drafter drafts nothing in the next steps of that batch size until
+they are (:meth:`StepCosts.needs_reference`; otherwise drafting goes on unjudged wherever the steps have drafted
+since their last plain step). A batch size
 with no comparison of its own takes the loss of the largest smaller batch size that has one: drafting only gets
 dearer as the batch grows, so it is not tried afresh there (it is still explored).
 """
@@ -95,19 +99,22 @@ YIELD_MIN_STEPS = 8
 #: the confidence pass drafted nothing read a yield of 0 and stopped the heads, while in both the steps that
 #: verified drafts emitted 105-249 tokens per second against 75-95 for steps that verified none.
 YIELD_MAX_AGE = 64
-#: The realised comparison (:meth:`StepCosts.drafting_loses`) reads, per batch size, the decode steps among the last
-#: this many engine steps of that batch size in which the drafter ran (:meth:`StepCosts.tick`): a verdict that
-#: drafting loses lapses once fewer than :data:`COMPARE_MIN_DRAFTING` of its drafted steps are that recent, and the
-#: drafts of the text now running judge anew (where the load rule says a draft could pay at all). Before (the last
-#: 16 drafted steps, with no age), in-process at one request on ShareGPT (2026-12-04, bfloat16, 8 prompts of 128
-#: tokens one after another), a stretch in which one request's drafts were mostly rejected made the drafter rest in
-#: 99 and 129 of 603 and 684 steps (two runs), through the next requests, while over each run its steps with drafts
-#: emitted 191-239 tokens per second against 85-91 for steps without: while it rests only exploring steps (1 in
+#: The realised comparison (:meth:`StepCosts.drafting_loses`) reads the decode steps among the last this many
+#: engine steps in which the drafter ran (:meth:`StepCosts.tick`), of any batch size: a verdict that drafting loses
+#: lapses once fewer than :data:`COMPARE_MIN_DRAFTING` of its drafted steps are that recent, and the drafts of the
+#: text now running judge anew (where the load rule says a draft could pay at all). Before (the last 16 drafted
+#: steps, with no age), in-process at one request on ShareGPT (2026-12-04, bfloat16, 8 prompts of 128 tokens one
+#: after another), a stretch in which one request's drafts were mostly rejected made the drafter rest in 99 and 129
+#: of 603 and 684 steps (two runs), through the next requests, while over each run its steps with drafts emitted
+#: 191-239 tokens per second against 85-91 for steps without: while it rests only exploring steps (1 in
 #: :data:`PROBE_EVERY`) draft, too few to move a window of 16. Aged, the same run rested in none
-#: (``benchmarks/results/lookup-and-rest-2026-12-04/``). By steps of its own batch size, not of any: served, a
-#: fresh server that ran a level of one request (some 2,000 steps) between two levels of 32 requests had aged out
-#: the steps without drafts at 32, so no verdict could form at 32 until such steps came again, and it drafted in 89
-#: of a level's 102 steps there (2026-12-04, GSM8K; before, with no age, 4 of about 130).
+#: (``benchmarks/results/lookup-and-rest-2026-12-04/``). Aged by steps of their own batch size instead (c03610b),
+#: a served level of 32 GSM8K requests compared its drafted steps with the steps without drafts at 32 of the
+#: ShareGPT level before it (long prompts: 83 ms a step against GSM8K's 49-56 ms), found that drafting paid, and
+#: drafted in 49 of its 50 steps at 32 requests (98.6 ms each), 7 % slower than plain decoding
+#: (``benchmarks/results/served-check-2026-12-04b/``). Aged by steps of any batch size, the comparison at 32 had no
+#: step without drafts left there (none of them comes while drafting pays) and formed no verdict
+#: (``benchmarks/results/served-check-2026-12-04/``): hence :meth:`StepCosts.needs_reference`.
 STEP_RATE_MAX_AGE = 128
 
 
@@ -129,10 +136,10 @@ class StepCosts:
         self._yield: dict[int, deque] = {}  # per batch size: (accepted heads tokens, extra seconds) a heads step
         self._steps: dict[bool, dict[int, deque]] = {True: {}, False: {}}  # drafts verified? -> B -> (tokens, s)
         self._seen: dict[tuple[str, int], int] = {}  # observations so far per (kind, key)
-        self._clock = 0  # engine steps in which the drafter ran (tick): the heads' yield observations age by it
-        self._size_clock: dict[int, int] = {}  # the same per batch size: the realised comparison's steps age by it
+        self._clock = 0  # engine steps in which the drafter ran (tick): the yield and the decode steps age by it
         self._med: dict[int, float] | None = None  # medians by row count, cached until the next observation
         self.probes = 0
+        self.references = 0  # steps without drafts for the realised comparison (needs_reference)
         self.explorations = 0
 
     # -- observations ---------------------------------------------------------------------------------------------
@@ -162,25 +169,34 @@ class StepCosts:
         tokens) in ``seconds`` (from its inputs to the end of its drafting); ``drafted``: it verified draft
         tokens."""
         if batch_size >= 1 and seconds > 0:
-            self._add(self._steps[drafted], f"step-{drafted}", batch_size,
-                      (float(tokens), seconds, self._size_clock.get(batch_size, 0)))
+            self._add(self._steps[drafted], f"step-{drafted}", batch_size, (float(tokens), seconds, self._clock))
 
-    def tick(self, batch_size: int) -> None:
-        """An engine step of ``batch_size`` requests in which the drafter ran (prompt chunks or not): the heads'
-        yield observations age by these steps, of any batch size: those older than :data:`YIELD_MAX_AGE` of them
-        are dropped. The decode steps of the realised comparison age by the steps of their own batch size: those
-        of ``batch_size`` older than :data:`STEP_RATE_MAX_AGE` of its steps are dropped (a verdict at 32 requests
-        does not lapse while a level of one request runs). Each batch size's are kept in the order they came, so
-        the oldest are on the left."""
+    def tick(self) -> None:
+        """An engine step in which the drafter ran (any batch size, prompt chunks or not): the heads' yield
+        observations and the realised comparison's decode steps age by these; those older than
+        :data:`YIELD_MAX_AGE` and :data:`STEP_RATE_MAX_AGE` of them are dropped (each batch size's are kept in the
+        order they came, so the oldest are on the left)."""
         self._clock += 1
-        for obs in self._yield.values():
-            while obs and self._clock - obs[0][2] > YIELD_MAX_AGE:
-                obs.popleft()
-        now = self._size_clock[batch_size] = self._size_clock.get(batch_size, 0) + 1
-        for table in self._steps.values():
-            obs = table.get(batch_size)
-            while obs and now - obs[0][2] > STEP_RATE_MAX_AGE:
-                obs.popleft()
+        for table, age in ((self._yield, YIELD_MAX_AGE), (self._steps[True], STEP_RATE_MAX_AGE),
+                           (self._steps[False], STEP_RATE_MAX_AGE)):
+            for obs in table.values():
+                while obs and self._clock - obs[0][2] > age:
+                    obs.popleft()
+
+    def needs_reference(self, batch_size: int) -> bool:
+        """Whether the next step of ``batch_size`` requests should draft nothing, so that the realised comparison
+        (:meth:`step_rates`) has steps without drafts from the text now running: True where a batch size near it
+        has :data:`COMPARE_MIN_DRAFTING` recent drafted steps and none has :data:`COMPARE_MIN_PLAIN` recent steps
+        without. Where drafting pays by the rows' curve every step drafts, so no such step would come, and the
+        drafts would go on unjudged (module docstring). Counts the step when True."""
+        def near(table: dict[int, deque], need: int) -> bool:
+            return any(len(obs) >= need and abs(b - batch_size) <= max(2, batch_size // 4)
+                       for b, obs in table.items())
+
+        if near(self._steps[True], COMPARE_MIN_DRAFTING) and not near(self._steps[False], COMPARE_MIN_PLAIN):
+            self.references += 1
+            return True
+        return False
 
     def step_rates(self, batch_size: int) -> tuple[float, float] | None:
         """Tokens per second of the recent decode steps that verified draft tokens and of those that verified none,
@@ -378,11 +394,11 @@ class StepCosts:
     def summary(self) -> dict:
         """For logs and tests: ``{"rows_ms": {R: median ms}, "draft_ms": {B: median ms}, "heads_yield": {B:
         accepted heads' tokens per second added}, "step_rates": {B: [tokens/s of steps with drafts, of steps
-        without]}, "probes": n, "explorations": n}``."""
+        without]}, "probes": n, "references": n, "explorations": n}``."""
         return {"rows_ms": {r: round(1e3 * statistics.median(v), 3) for r, v in sorted(self._rows.items())},
                 "draft_ms": {b: round(1e3 * statistics.median(v), 3) for b, v in sorted(self._draft.items())},
                 "heads_yield": {b: round(self._own_yield(b), 1) for b in sorted(self._yield)
                                 if len(self._yield[b]) >= YIELD_MIN_STEPS},
                 "step_rates": {b: [round(r, 1) for r in rates] for b in sorted(self._steps[True])
                                if (rates := self.step_rates(b)) is not None},
-                "probes": self.probes, "explorations": self.explorations}
+                "probes": self.probes, "references": self.references, "explorations": self.explorations}

@@ -764,3 +764,29 @@ def test_measured_rule_learns_how_each_requests_drafts_fare():
     assert "r0" in s.tracked_ids()
     s.free_missing(rids[1:])
     assert "r0" not in s.tracked_ids() and s.acceptance_ratio("r0") == 1.0
+
+
+def test_row_times_age_out_and_the_batch_size_is_probed_again():
+    """A row count's times are dropped ROWS_MAX_AGE engine steps (tick) after they were measured: steps of 32 rows on
+    long chat contexts (80 ms) do not price the rows of short math contexts later; the batch size is then probed
+    again (a step without drafts), and the fresh times decide."""
+    from vllm_entmtp.step_costs import ROWS_MAX_AGE, StepCosts
+
+    c = StepCosts()
+    for rows, t in ((32, 0.080), (32, 0.080), (32, 0.080), (64, 0.096), (64, 0.096)):  # chat: 0.5 ms a draft row
+        c.record_rows(rows, t)
+        c.tick()
+    assert c.rows_time(48) == pytest.approx(0.088) and not c.needs_probe(32)
+    for _ in range(ROWS_MAX_AGE - 3):  # the last 32-row time came at step 2, the 64-row ones at 3 and 4
+        c.tick()
+    assert c.known_rows() == [32, 64]  # the youngest 32-row time is ROWS_MAX_AGE steps old: it still counts
+    c.tick()
+    assert c.known_rows() == [64]
+    c.record_rows(64, 0.100)  # a fresh 64-row time; the older two age out in the next two steps
+    for _ in range(3):
+        c.tick()
+    assert c.known_rows() == [64] and c.summary()["rows_ms"] == {64: 100.0}
+    assert c.needs_probe(32)  # no time for 32 rows and none below to interpolate from: probe
+    c.record_rows(32, 0.050)  # math: 1.56 ms a draft row
+    c.record_rows(32, 0.050)
+    assert c.rows_time(48) == pytest.approx(0.075)

@@ -7,7 +7,8 @@ so at one request a draft row cost 0.9 ms, a twentieth of a step; over 16 rows i
 step cannot be right on both machines and both loads; measured costs can.
 
 :class:`StepCosts` keeps, per number of rows ``R`` a decode step verified, the recent times of the step's part
-that grows with its rows (the forward, the logits, sampling and verification), and per batch size the recent times
+that grows with its rows (the forward, the logits, sampling and verification; the last :data:`WINDOW` of the last
+:data:`ROWS_MAX_AGE` engine steps, as they depend on the contexts running), and per batch size the recent times
 of drafting. :meth:`StepCosts.rows_time` interpolates between measured row counts (piecewise linear; beyond the
 largest, the steeper of the last segment's slope and the mean slope). The scheduler
 (:meth:`~vllm_entmtp.scheduler.TreeScheduler.choose` with ``costs``) keeps a request's draft only while its
@@ -72,6 +73,16 @@ from collections import deque
 
 #: Observations kept per row count (and per batch size for drafting); the median of these is used.
 WINDOW = 16
+#: A row count's observations are dropped once they are this many engine steps old (:meth:`StepCosts.tick`, any
+#: batch size): a step of 32 rows costs what the contexts now running make it cost. Kept without age, the plain
+#: steps at 32 requests of a served ShareGPT level (long prompts, 83 ms) priced the draft rows of a GSM8K level
+#: at 32 requests two levels later (short prompts: 49-56 ms a plain step, about 1.7 ms a draft row) at about
+#: 0.3 ms a row (read from vLLM's iteration times, not from the drafter), and GSM8K's steps at 32 requests
+#: verified 55-92 rows where in-process, measured afresh, they verified 36-46 (2026-12-04,
+#: ``benchmarks/results/served-check-2026-12-04c/``). Where a batch size's row count ages out, it is probed again
+#: (:meth:`StepCosts.needs_probe`); with 64 steps between probes and between the exploring steps of a resting
+#: batch size (:data:`PROBE_EVERY`), 256 keeps a few of each.
+ROWS_MAX_AGE = 256
 #: A batch size's no-draft time is measured again after this many of its steps.
 PROBE_EVERY = 64
 #: Where no step of more rows than a batch size is measured, it explores drafting every this many steps in which
@@ -129,7 +140,8 @@ class StepCosts:
     def __init__(self, window: int = WINDOW, probe_every: int = PROBE_EVERY):
         self.window = window
         self.probe_every = probe_every
-        self._rows: dict[int, deque] = {}
+        self._rows: dict[int, deque] = {}  # row count -> (seconds, clock) observations
+        self._rows_order: deque = deque()  # (clock, row count) of every row observation, oldest first (aging)
         self._draft: dict[int, deque] = {}
         self._since_probe: dict[int, int] = {}
         self._since_draft: dict[int, int] = {}  # steps of a batch size in which no draft paid, since it explored
@@ -148,7 +160,8 @@ class StepCosts:
         """A decode step (no prompt tokens) that verified ``rows`` rows (one root per request plus its draft
         tokens) took ``seconds`` in its row-bound part."""
         if rows >= 1 and seconds > 0:
-            self._add(self._rows, "rows", rows, seconds)
+            self._add(self._rows, "rows", rows, (seconds, self._clock))
+            self._rows_order.append((self._clock, rows))
             self._med = None
 
     def record_draft(self, batch_size: int, seconds: float) -> None:
@@ -175,8 +188,21 @@ class StepCosts:
         """An engine step in which the drafter ran (any batch size, prompt chunks or not): the heads' yield
         observations and the realised comparison's decode steps age by these; those older than
         :data:`YIELD_MAX_AGE` and :data:`STEP_RATE_MAX_AGE` of them are dropped (each batch size's are kept in the
-        order they came, so the oldest are on the left)."""
+        order they came, so the oldest are on the left), and so do the row counts' observations
+        (:data:`ROWS_MAX_AGE`; a row count with none left is not measured)."""
         self._clock += 1
+        order = self._rows_order
+        while order and self._clock - order[0][0] > ROWS_MAX_AGE:
+            clock, r = order.popleft()
+            obs = self._rows.get(r)
+            if obs is None:
+                continue
+            while obs and obs[0][1] <= clock:  # the window or a first observation's drop may have taken it already
+                obs.popleft()
+                self._med = None
+            if not obs:
+                del self._rows[r]
+                self._med = None
         for table, age in ((self._yield, YIELD_MAX_AGE), (self._steps[True], STEP_RATE_MAX_AGE),
                            (self._steps[False], STEP_RATE_MAX_AGE)):
             for obs in table.values():
@@ -310,7 +336,7 @@ class StepCosts:
 
     def _medians(self) -> dict[int, float]:
         if self._med is None:
-            self._med = {r: statistics.median(v) for r, v in sorted(self._rows.items())}
+            self._med = {r: statistics.median(o[0] for o in v) for r, v in sorted(self._rows.items())}
         return self._med
 
     def rows_time(self, rows: int) -> float | None:
@@ -395,7 +421,7 @@ class StepCosts:
         """For logs and tests: ``{"rows_ms": {R: median ms}, "draft_ms": {B: median ms}, "heads_yield": {B:
         accepted heads' tokens per second added}, "step_rates": {B: [tokens/s of steps with drafts, of steps
         without]}, "probes": n, "references": n, "explorations": n}``."""
-        return {"rows_ms": {r: round(1e3 * statistics.median(v), 3) for r, v in sorted(self._rows.items())},
+        return {"rows_ms": {r: round(1e3 * t, 3) for r, t in self._medians().items()},
                 "draft_ms": {b: round(1e3 * statistics.median(v), 3) for b, v in sorted(self._draft.items())},
                 "heads_yield": {b: round(self._own_yield(b), 1) for b in sorted(self._yield)
                                 if len(self._yield[b]) >= YIELD_MIN_STEPS},

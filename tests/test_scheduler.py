@@ -790,3 +790,22 @@ def test_row_times_age_out_and_the_batch_size_is_probed_again():
     c.record_rows(32, 0.050)  # math: 1.56 ms a draft row
     c.record_rows(32, 0.050)
     assert c.rows_time(48) == pytest.approx(0.075)
+
+
+def test_the_log_line_names_where_drafting_rests():
+    """StepCosts.describe: the realised comparison per batch size (tokens/s with / without draft tokens), which
+    batch sizes rest, and the steps made to measure and to explore."""
+    from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, COMPARE_MIN_PLAIN, StepCosts
+
+    c = StepCosts()
+    assert c.describe().startswith("tokens/s of recent steps with/without draft tokens by batch size: none yet;")
+    for _ in range(COMPARE_MIN_DRAFTING + 1):
+        c.record_step(1, 2, 0.010, drafted=True)  # 200 tokens/s
+        c.record_step(32, 48, 0.100, drafted=True)  # 480 tokens/s
+    for _ in range(COMPARE_MIN_PLAIN + 1):
+        c.record_step(1, 1, 0.010, drafted=False)  # 100 tokens/s
+        c.record_step(32, 32, 0.050, drafted=False)  # 640 tokens/s
+    assert c.needs_probe(4)
+    assert c.describe() == ("tokens/s of recent steps with/without draft tokens by batch size: 1: 200/100, "
+                            "32: 480/640 (rests); steps without drafts to measure: probes 1, references 0; "
+                            "exploring steps 0")

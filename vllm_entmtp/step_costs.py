@@ -417,6 +417,19 @@ class StepCosts:
         near = min(self._draft, key=lambda b: (abs(b - batch_size), -b))
         return statistics.median(self._draft[near])
 
+    def describe(self) -> str:
+        """One line for the server's log: per batch size with a realised comparison, the tokens per second of its
+        recent steps with and without draft tokens and whether the drafter rests there; then the steps made to
+        measure (probes, references) and to explore. What a user reads to see why entmtp drafts little under load."""
+        parts = []
+        for b in sorted(self._steps[True]):
+            rates = self._own_rates(b)
+            if rates is not None:
+                parts.append(f"{b}: {rates[0]:.0f}/{rates[1]:.0f}{' (rests)' if rates[0] < rates[1] else ''}")
+        compared = ", ".join(parts) if parts else "none yet"
+        return (f"tokens/s of recent steps with/without draft tokens by batch size: {compared}; steps without drafts "
+                f"to measure: probes {self.probes}, references {self.references}; exploring steps {self.explorations}")
+
     def summary(self) -> dict:
         """For logs and tests: ``{"rows_ms": {R: median ms}, "draft_ms": {B: median ms}, "heads_yield": {B:
         accepted heads' tokens per second added}, "step_rates": {B: [tokens/s of steps with drafts, of steps

@@ -799,13 +799,14 @@ def test_the_log_line_names_where_drafting_rests():
 
     c = StepCosts()
     assert c.describe().startswith("tokens/s of recent steps with/without draft tokens by batch size: none yet;")
+    assert not c.compared()
     for _ in range(COMPARE_MIN_DRAFTING + 1):
         c.record_step(1, 2, 0.010, drafted=True)  # 200 tokens/s
         c.record_step(32, 48, 0.100, drafted=True)  # 480 tokens/s
     for _ in range(COMPARE_MIN_PLAIN + 1):
         c.record_step(1, 1, 0.010, drafted=False)  # 100 tokens/s
         c.record_step(32, 32, 0.050, drafted=False)  # 640 tokens/s
-    assert c.needs_probe(4)
+    assert c.needs_probe(4) and c.compared()
     assert c.describe() == ("tokens/s of recent steps with/without draft tokens by batch size: 1: 200/100, "
                             "32: 480/640 (rests); steps without drafts to measure: probes 1, references 0; "
                             "exploring steps 0")

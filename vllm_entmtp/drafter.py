@@ -46,8 +46,8 @@ logger = logging.getLogger("vllm.entmtp")
 
 #: The tree id of a prompt-lookup draft (a chain) in the metrics' tree labels and :class:`~vllm_entmtp.step.Draft`.
 LOOKUP_ID = "lookup"
-#: Under load_policy "measured", the drafter logs its realised comparison (:meth:`StepCosts.describe`) at most this
-#: often, while steps run.
+#: Under load_policy "measured", the drafter logs its realised comparison (:meth:`StepCosts.describe`) as soon as
+#: one exists and then at most this often, while steps run.
 COSTS_LOG_INTERVAL_S = 60.0
 
 
@@ -137,7 +137,7 @@ class EntMTPProposer(MedusaProposer):
         self.recorder = recorder_from_env()  # self-distillation data for train-heads (training/record.py)
         self.scheduler = self.tracker = self.lookup = None
         self.step_costs: StepCosts | None = None  # load_policy "measured"
-        self._next_costs_log = time.monotonic() + COSTS_LOG_INTERVAL_S  # the next log line of the step costs
+        self._next_costs_log = 0.0  # time.monotonic() after which the step costs are logged (once compared)
         self.lifetimes = Lifetimes()  # every holder of per-request state, freed when vLLM drops the request
         for name, get in (("pending", lambda: self.pending), ("drafted_at", lambda: self._drafted_at),
                           ("warned", lambda: self._warned),
@@ -574,7 +574,7 @@ class EntMTPProposer(MedusaProposer):
         if costs is not None and STEP.decode_rows and verified_free and self._proposed_free:
             costs.record_step(n, sum(len(t) for t in sampled_token_ids), time.perf_counter() - STEP.rows_clock,
                               drafted=STEP.decode_rows > n)
-        if costs is not None and time.monotonic() >= self._next_costs_log:
+        if costs is not None and time.monotonic() >= self._next_costs_log and costs.compared():
             self._next_costs_log = time.monotonic() + COSTS_LOG_INTERVAL_S
             logger.info("entmtp: load: %s", costs.describe())
         if costs is not None and self.heads_ran:

@@ -417,6 +417,10 @@ class StepCosts:
         near = min(self._draft, key=lambda b: (abs(b - batch_size), -b))
         return statistics.median(self._draft[near])
 
+    def compared(self) -> bool:
+        """Whether some batch size has a realised comparison of its own (what :meth:`describe` lists)."""
+        return any(self._own_rates(b) is not None for b in self._steps[True])
+
     def describe(self) -> str:
         """One line for the server's log: per batch size with a realised comparison, the tokens per second of its
         recent steps with and without draft tokens and whether the drafter rests there; then the steps made to

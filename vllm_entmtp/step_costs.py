@@ -134,6 +134,14 @@ def _rate(obs) -> float:
     return sum(o[0] for o in obs) / sum(o[1] for o in obs)
 
 
+def _nearest(table: dict[int, deque], batch_size: int, need: int) -> int | None:
+    """The batch size of ``table`` nearest ``batch_size`` (no further than ``max(2, batch_size // 4)``: under
+    continuous batching the batch size moves by a few requests from step to step; ties: the larger) with ``need``
+    observations; None without."""
+    near = [b for b, obs in table.items() if len(obs) >= need and abs(b - batch_size) <= max(2, batch_size // 4)]
+    return min(near, key=lambda b: (abs(b - batch_size), -b)) if near else None
+
+
 class StepCosts:
     """Recent step times by rows verified and drafting times by batch size (seconds)."""
 
@@ -215,11 +223,8 @@ class StepCosts:
         has :data:`COMPARE_MIN_DRAFTING` recent drafted steps and none has :data:`COMPARE_MIN_PLAIN` recent steps
         without. Where drafting pays by the rows' curve every step drafts, so no such step would come, and the
         drafts would go on unjudged (module docstring). Counts the step when True."""
-        def near(table: dict[int, deque], need: int) -> bool:
-            return any(len(obs) >= need and abs(b - batch_size) <= max(2, batch_size // 4)
-                       for b, obs in table.items())
-
-        if near(self._steps[True], COMPARE_MIN_DRAFTING) and not near(self._steps[False], COMPARE_MIN_PLAIN):
+        if (_nearest(self._steps[True], batch_size, COMPARE_MIN_DRAFTING) is not None
+                and _nearest(self._steps[False], batch_size, COMPARE_MIN_PLAIN) is None):
             self.references += 1
             return True
         return False
@@ -230,12 +235,10 @@ class StepCosts:
         and :data:`COMPARE_MIN_PLAIN` of them; None without."""
         out = []
         for drafted, need in ((True, COMPARE_MIN_DRAFTING), (False, COMPARE_MIN_PLAIN)):
-            table = self._steps[drafted]
-            near = [b for b, obs in table.items()
-                    if len(obs) >= need and abs(b - batch_size) <= max(2, batch_size // 4)]
-            if not near:
+            b = _nearest(self._steps[drafted], batch_size, need)
+            if b is None:
                 return None
-            out.append(_rate(table[min(near, key=lambda b: (abs(b - batch_size), -b))]))
+            out.append(_rate(self._steps[drafted][b]))
         return out[0], out[1]
 
     def drafting_loses(self, batch_size: int) -> bool:
@@ -276,9 +279,8 @@ class StepCosts:
         those steps' added seconds, at the
         nearest batch size with :data:`YIELD_MIN_STEPS` of them no further than ``max(2, batch_size // 4)`` (under
         continuous batching the batch size moves by a few requests from step to step); None without."""
-        near = [b for b, obs in self._yield.items()
-                if len(obs) >= YIELD_MIN_STEPS and abs(b - batch_size) <= max(2, batch_size // 4)]
-        return self._own_yield(min(near, key=lambda b: (abs(b - batch_size), -b))) if near else None
+        b = _nearest(self._yield, batch_size, YIELD_MIN_STEPS)
+        return None if b is None else self._own_yield(b)
 
     def _own_yield(self, batch_size: int) -> float:
         obs = self._yield[batch_size]  # those of the last YIELD_MAX_AGE steps (tick drops the older)

@@ -104,3 +104,50 @@ def test_compaction_moves_accepted_path_into_consecutive_slots():
         torch.testing.assert_close(got_v, value[q0 + node])
     root_k, _ = read(int(slots[q0]))
     torch.testing.assert_close(root_k, key[q0])  # the root stays
+
+
+def test_sampled_chains_pass_any_kv_layout_and_branching_trees_are_refused_where_the_fix_cannot_run(monkeypatch):
+    """On a CPU with AMX, bfloat16 KV uses vLLM's 'amx' layout, which the tree fix cannot read. The drafter drafts
+    chains only there, but sampled chains are verified by this project (rejection sampling), so their rows reach
+    the attention override: it must leave them to vLLM's causal kernel, not stop the engine (2026-12-04, a
+    Sapphire-Rapids-class Xeon: every sampled request that drafted killed the bfloat16 engine)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from vllm_entmtp import step
+    from vllm_entmtp.patches.tree_attention import TreeCPUAttentionImpl
+    from vllm_entmtp.step import STEP, Draft, TreeRows
+
+    calls = []
+    monkeypatch.setattr(CPUAttentionBackendImpl, "forward", lambda self, layer, q, *a, **k: calls.append(layer) or q)
+    monkeypatch.setattr(CPUAttentionBackendImpl, "do_kv_cache_update", lambda *a: None)
+    impl = object.__new__(TreeCPUAttentionImpl)
+    layer = SimpleNamespace(isa="amx", layer_name="model.layers.0.self_attn.attn")
+    query = torch.randn(6, 9 * D)
+    chain, branching = Tree([[0], [0, 0], [0, 0, 0]]), Tree([[0], [1], [0, 0]])
+    try:
+        STEP.reset({0: TreeRows.of(0, 0, Draft.make("chain3", chain, [5, 6, 7], greedy=False)),
+                    1: TreeRows.of(1, 4, Draft.make("b0n1", Tree([[0]]), [8], greedy=False))})
+        assert not STEP.fixes
+        impl.do_kv_cache_update(layer, query, query, None, torch.arange(6))
+        assert STEP.kv == {}  # nothing stashed: a chain's accepted path sits in its own slots already
+        assert impl.forward(layer, query, query, query, None, SimpleNamespace(), query) is query
+        assert calls == [layer]
+        STEP.reset({0: TreeRows.of(0, 0, Draft.make("b2n3", branching, [5, 6, 7], greedy=True))})
+        assert STEP.fixes
+        with pytest.raises(RuntimeError, match="'vec' KV layout only.*uses 'amx'"):
+            impl.forward(layer, query, query, query, None, SimpleNamespace(), query)
+    finally:
+        STEP.reset({})
+
+    # and the step refuses a branching tree before it touches the batch where the drafter found no tree attention
+    runner = SimpleNamespace(positions=torch.arange(10))
+    draft = Draft.make("b2n3", branching, [5, 6, 7], greedy=True)
+    with pytest.raises(RuntimeError, match="tree attention is not available"):
+        step._tree_rows(runner, 0, draft, [5, 6, 7], 2, tree_attention=False)
+    assert runner.positions.tolist() == list(range(10))
+    tr = step._tree_rows(runner, 0, draft, [5, 6, 7], 2, tree_attention=True)
+    assert tr.fix_rows and runner.positions[3:6].tolist() == [3, 3, 4]  # root at position 2: depths 1, 1, 2
+    sampled_chain = Draft.make("chain3", chain, [5, 6, 7], greedy=False)
+    assert step._tree_rows(runner, 0, sampled_chain, [5, 6, 7], 2, tree_attention=False).fix_rows == []

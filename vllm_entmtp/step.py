@@ -112,6 +112,8 @@ class SpecStep:
     :data:`STEP`, because the attention override has no handle on the runner)."""
 
     rows: dict[int, TreeRows] = field(default_factory=dict)  # batch index -> rows verified as a tree here
+    # some request's rows need the tree-attention fix (a branching tree); chains, sampled ones included, do not
+    fixes: bool = False
     # layer name -> (layer, impl, kv_cache, key [n, Hkv, D], value [n, Hkv, D], slots [n]) of rows row_lo..row_hi
     kv: dict[str, tuple] = field(default_factory=dict)
     row_lo: int = 0
@@ -134,6 +136,7 @@ class SpecStep:
 
     def reset(self, rows: dict[int, TreeRows], fallback: set[int] | None = None) -> None:
         self.rows = rows
+        self.fixes = any(r.fix_rows for r in rows.values())
         self.fallback = fallback or set()
         self.kv = {}
         self.plans = {}
@@ -193,7 +196,7 @@ def begin_step(runner, scheduler_output) -> None:
             if not sched:
                 continue
             try:
-                tr = _tree_rows(runner, b, draft, sched, int(qsl[b]))
+                tr = _tree_rows(runner, b, draft, sched, int(qsl[b]), drafter.tree_attention)
             except Exception as e:  # noqa: BLE001 - vLLM verifies its tokens as a chain; keep the first only
                 fault(drafter, "bookkeeping", [req_id], e)
                 fallback.add(b)
@@ -208,9 +211,12 @@ def begin_step(runner, scheduler_output) -> None:
             STEP.decode_rows, STEP.rows_clock = total, time.perf_counter()
 
 
-def _tree_rows(runner, b: int, draft: Draft, sched, q0: int) -> TreeRows | None:
+def _tree_rows(runner, b: int, draft: Draft, sched, q0: int, tree_attention: bool = True) -> TreeRows | None:
     """Request ``b``'s tree rows this step, its tree rows' positions set to root + depth; None when vLLM
-    verifies its draft tokens itself (a greedy chain, or tokens that are not the proposed draft's)."""
+    verifies its draft tokens itself (a greedy chain, or tokens that are not the proposed draft's).
+    ``tree_attention``: whether branching trees can be verified here (the drafter's start-up check); where not,
+    a branching tree raises before anything is changed (the drafter drafts chains only there, so this is a
+    guard: the caller contains it to the request)."""
     n = len(sched)
     if list(sched) != draft.tokens[:n]:  # not the tokens we proposed: vLLM verifies a chain
         return None
@@ -218,6 +224,8 @@ def _tree_rows(runner, b: int, draft: Draft, sched, q0: int) -> TreeRows | None:
     if not draft.verified_here:
         return None
     tr = TreeRows.of(b, q0, draft)
+    if tr.fix_rows and not tree_attention:
+        raise RuntimeError(f"a branching tree ({draft.tree_id}) where tree attention is not available")
     root_pos = int(runner.positions[q0])  # last: nothing below can fail
     runner.positions[q0 + 1:q0 + 1 + n] = root_pos + torch.tensor(draft.tree.depths, dtype=runner.positions.dtype)
     return tr

@@ -9,8 +9,9 @@ untouched.
 
 KV layout: the ``vec`` ISA of the CPU backend (x86 with AVX-512 and without AMX, and fp32 everywhere) stores
 each block as ``[num_kv_heads, 2, block_size * head_size]`` with K transposed (``[head_size, block_size]``)
-and V plain (``[block_size, head_size]``). Other ISAs pack differently; the runner only drafts trees when every
-layer runs ``vec`` (chains need no mask and work everywhere).
+and V plain (``[block_size, head_size]``). Other ISAs pack differently (``amx``: bfloat16 on CPUs with AMX); the
+runner only drafts trees when every layer runs ``vec`` (chains need no mask and work everywhere: this override
+leaves a step whose requests verify chains alone, sampled chains included, whatever the layout).
 
 GPU seam: the same per-request ancestor mask is what a GPU path needs (``vllm_entmtp/tree_mask.py`` builds it for
 a packed batch as an additive bias or a FlexAttention ``mask_mod``), e.g. as a per-request ``qq_bias`` in vLLM's
@@ -88,7 +89,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        if STEP.rows:
+        if STEP.fixes:  # only a branching tree's accepted path can need its K/V moved (step._compact_kv)
             lo, hi = STEP.row_lo, STEP.row_hi
             STEP.kv[layer.layer_name] = (layer, self, kv_cache, key[lo:hi].clone(), value[lo:hi].clone(),
                                          slot_mapping[lo:hi].clone())
@@ -97,7 +98,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 output_block_scale=None):
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                               output_block_scale)
-        if attn_metadata is None or not STEP.rows:
+        if attn_metadata is None or not STEP.fixes:  # chains (sampled ones too) attend causally: nothing to fix
             return out
         if getattr(layer, "isa", None) != SUPPORTED_ISA:
             raise RuntimeError(f"entmtp tree attention supports the CPU '{SUPPORTED_ISA}' KV layout only; "

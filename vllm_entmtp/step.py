@@ -211,7 +211,7 @@ def begin_step(runner, scheduler_output) -> None:
             STEP.decode_rows, STEP.rows_clock = total, time.perf_counter()
 
 
-def _tree_rows(runner, b: int, draft: Draft, sched, q0: int, tree_attention: bool = True) -> TreeRows | None:
+def _tree_rows(runner, b: int, draft: Draft, sched, q0: int, tree_attention: bool) -> TreeRows | None:
     """Request ``b``'s tree rows this step, its tree rows' positions set to root + depth; None when vLLM
     verifies its draft tokens itself (a greedy chain, or tokens that are not the proposed draft's).
     ``tree_attention``: whether branching trees can be verified here (the drafter's start-up check); where not,

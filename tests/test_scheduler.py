@@ -420,6 +420,48 @@ def test_measured_costs_charge_only_the_drafting_not_yet_spent():
     assert ids(s.choose(["c"], [conf(0.35)], None, cheap, sunk_seconds=0.01)) == ["small"]  # more than measured
 
 
+def test_a_head_level_is_measured_apart_from_the_drafts_that_need_none():
+    from vllm_entmtp.step_costs import StepCosts
+
+    c = StepCosts()
+    for _ in range(3):
+        c.record_levels(16, 0, 0.0002)
+    assert c.level_time(16) == (0.0002, 0.0)  # no draft that needed a level yet
+    for secs in (0.0032, 0.0026, 0.0058):
+        c.record_levels(16, 1 if secs < 0.004 else 2, secs)
+    rest, per = c.level_time(16)
+    assert rest == pytest.approx(0.0002) and per == pytest.approx(0.0028)  # median of 3.0, 2.4, 2.8 ms
+    assert c.level_time(14) == (rest, per) and c.level_time(8) is None  # near batch sizes only
+    assert StepCosts().level_time(16) is None
+    assert c.summary()["level_ms"] == {16: [0.2, 2.8]}
+
+
+def test_measured_costs_price_the_head_levels_of_the_deepest_tree():
+    """Sixteen requests, 3 ms a plain token, 0.5 ms a draft row; the confidence pass ran one head. big (4 nodes,
+    depth 3) needs two more head levels, small (a chain of 1) none. A level costing 3 ms whoever reaches it: one
+    confident request's big tree (0.8 tokens more than small for 1.5 ms of rows and 6 ms of levels) steps down;
+    eight confident requests' big trees step down together (6.4 tokens for 12 ms of rows and 6 ms of levels,
+    where each alone would keep its tree: 0.8 tokens for 1.5 ms). Before a level is measured, rows alone
+    decide; at 0.5 ms a level the eight keep their trees."""
+    s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
+    rids = [f"r{i}" for i in range(16)]
+    one, eight = [conf(0.9)] + [conf(0.5)] * 15, [conf(0.9)] * 8 + [conf(0.5)] * 8
+
+    def costs(per_level):
+        c = _costs({16: 0.048, 32: 0.056, 64: 0.072})
+        if per_level is not None:
+            for _ in range(3):
+                c.record_levels(16, 0, 0.0002)
+                c.record_levels(16, 2, 0.0002 + 2 * per_level)
+        return c
+
+    assert ids(s.choose(rids, one, None, costs(None), covered_levels=1)) == ["big"] + ["small"] * 15
+    assert ids(s.choose(rids, one, None, costs(0.003), covered_levels=1)) == ["small"] * 16
+    assert ids(s.choose(rids, eight, None, costs(None), covered_levels=1)) == ["big"] * 8 + ["small"] * 8
+    assert ids(s.choose(rids, eight, None, costs(0.003), covered_levels=1)) == ["small"] * 16
+    assert ids(s.choose(rids, eight, None, costs(0.0005), covered_levels=1)) == ["big"] * 8 + ["small"] * 8
+
+
 def test_the_heads_run_only_for_requests_whose_own_acceptance_could_pay():
     """Sixteen requests, 3 ms a plain token, 1.5 ms a draft row and 1 ms of drafting for the batch: a request
     accepting what the calibration expects may pay (the small tree: 0.7 tokens for 1.56 ms), one accepting a

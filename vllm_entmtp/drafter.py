@@ -78,6 +78,7 @@ class EntMTPProposer(MedusaProposer):
     runner = None  # set by the runner patch
     heads_ran = True  # whether this step's drafting ran the heads
     heads_seconds = 0.0  # this step: the time the heads' drafting took (confidence, the schedule, the drafts)
+    draft_seconds = 0.0  # this step: the part of heads_seconds after the schedule's choice (the drafts)
     _proposed_free = True  # the last drafts proposed: no request of that step was held to a tree
     _heads_nodes: tuple[int, int] | None = None  # this step: the heads' draft nodes, and all draft nodes
     _heads_step: tuple[int, float] | None = None  # last step that ran the heads: (batch size, seconds they added)
@@ -383,6 +384,7 @@ class EntMTPProposer(MedusaProposer):
         top1 = state = None
         n = len(req_ids)
         self._heads_nodes = None  # set below once this step's drafts are known (a fault on the way leaves None)
+        self.draft_seconds = 0.0
         forced = [self._forced_tree(rid) for rid in req_ids]
         costs = self.step_costs
         free = all(f is None for f in forced)
@@ -436,10 +438,14 @@ class EntMTPProposer(MedusaProposer):
                 budget = self.scheduler.exploring_budget(n)
             # the lookup drafts that win anyway take their nodes first; the heads' trees share what is left
             heads_budget = None if budget is None else max(budget - sum(len(lookups[i]) for i in sure), 0)
-            # the confidence pass is spent: only the rest of the drafting is weighed against the drafts
+            # the confidence pass is spent: only the rest of the drafting is weighed against the drafts, the head
+            # levels it did not run priced by the deepest tree
+            covered = 0 if top1 is None else (self.drafter.num_heads if self.drafter.confidence_is_free
+                                              else self.spec_config.entmtp.confidence_heads)
             choices = self.scheduler.choose(req_ids, signals, heads_budget, None if explore else costs,
                                             skip=sure | unpaying,
-                                            sunk_seconds=heads_seconds if top1 is not None else 0.0)
+                                            sunk_seconds=heads_seconds if top1 is not None else 0.0,
+                                            covered_levels=covered)
             forced_at = [f is not None for f in forced]
             for i, f in enumerate(forced):
                 if f is not None:
@@ -452,8 +458,13 @@ class EntMTPProposer(MedusaProposer):
             stops = [None if f else stop for f in forced_at] if stop is not None else None
             # requests that take their lookup draft in any case are not drafted by the heads
             trees = [None if i in sure else t for i, (_, t) in enumerate(chosen)]
+            t_draft = time.perf_counter()
             drafts = self._draft(req_ids, hidden, trees, bonus, state, stops)
+            self.draft_seconds = time.perf_counter() - t_draft
             self.heads_seconds = heads_seconds + time.perf_counter() - t_heads
+            if costs is not None and any(t is not None for t in trees):  # what a level of the heads costs here
+                deepest = max(t.depth for t in trees if t is not None)
+                costs.record_levels(n, max(deepest - covered, 0), self.draft_seconds)
         if lookups:
             chosen, drafts = self._weigh_lookup(req_ids, lookups, sure, chosen, drafts, costs, budget)
         # the heads' yield is kept for steps the load rule judges (not those with a request held to a tree)
@@ -580,8 +591,8 @@ class EntMTPProposer(MedusaProposer):
         if costs is not None and self.heads_ran:
             # what drafting from the heads adds to a step that would run prompt lookup and the tracker anyway
             seconds = self.heads_seconds
-            if any(drafts):
-                costs.record_draft(n, seconds)
+            if any(drafts):  # the drafts after the choice are priced by depth (record_levels, above)
+                costs.record_draft(n, seconds - self.draft_seconds)
             # the heads' yield: their drafting and their rows' share of the step, against their accepted draft
             # tokens (scored next step, in _update_signals; none where the schedule drafted nothing from them)
             if self._heads_nodes is not None:

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from collections.abc import Sequence
 
 from vllm_entmtp.step_costs import StepCosts
@@ -156,7 +157,9 @@ class LoadRules:
     def drafting_pays(self, batch_size: int, costs: StepCosts) -> bool:
         """Whether any draft can raise this batch's tokens per second at the best acceptance the calibration
         knows: ``k`` requests (any ``k``) drafting one tree of the ladder each at its best calibration bin's
-        expected accepted tokens, against a step without drafts, drafting time included; and, once measured,
+        expected accepted tokens, against a step without drafts, the drafting up to the choice included (the
+        levels after it are left to the choice, :meth:`_fit_measured`: this test is the optimistic one); and,
+        once measured,
         the heads' realised yield at this batch size (accepted draft tokens per second they added to the step,
         :meth:`StepCosts.heads_yield <vllm_entmtp.step_costs.StepCosts.heads_yield>`) must beat the plain step's
         tokens per second. False: skip the heads for this step. True when the costs are not measured enough to
@@ -243,8 +246,14 @@ class LoadRules:
         st[1] = b * st[1] + (1.0 - b) * float(expected)
         st[2] += 1
 
+    def _beyond(self, ladder_bin: int, covered_levels: int) -> int:
+        """Head levels the tree of ``ladder_bin`` needs beyond the ``covered_levels`` the confidence pass ran
+        (0 for no draft)."""
+        tree = self.ladder[ladder_bin] if ladder_bin < len(self.ladder) else None
+        return max(tree.depth - covered_levels, 0) if tree is not None and tree.num_nodes else 0
+
     def _fit_measured(self, bins: list[int], cal_bins: list[int | None], costs: StepCosts,
-                      scale: list[float] | None = None, sunk: float = 0.0) -> bool:
+                      scale: list[float] | None = None, sunk: float = 0.0, covered_levels: int = 0) -> bool:
         """Step bins down in place while a step down gives up fewer expected tokens per second saved than the
         step's tokens per second, on measured step costs (:class:`~vllm_entmtp.step_costs.StepCosts`); then, if
         a step without drafts is faster per token still, no request drafts. False (nothing changed) when the
@@ -252,46 +261,87 @@ class LoadRules:
 
         ``sunk``: seconds of this step's drafting already spent (the heads' confidence pass, run before the
         choice): a step costs them whether it drafts or not, so only the rest of the drafting time (the batch
-        size's measured drafting time less ``sunk``, at least 0) is charged to drafting."""
+        size's measured drafting time less ``sunk``, at least 0) is charged to drafting.
+
+        The drafts after the choice are priced by depth where the heads' further levels are measured
+        (:meth:`StepCosts.level_time <vllm_entmtp.step_costs.StepCosts.level_time>`): a fixed part, and one
+        level's time for each depth of the deepest chosen tree beyond ``covered_levels`` (the heads the
+        confidence pass ran). A Hydra head runs once per depth for all the requests that reach it, so one
+        request's second draft token can cost the whole step a level; besides each request's step down, the
+        rule weighs stepping every request at the deepest depth down together (each to its first rung that is
+        shallower), which saves that level."""
         k, b_size = len(self.ladder), len(bins)
         nodes = [self._nodes[b] if b < k else 0 for b in bins]
         curve = self._curve(costs, b_size, sum(nodes))
         if curve is None:
             return False
         sunk = max(float(sunk), 0.0)
-        d = max(costs.draft_time(b_size) - sunk, 0.0)
+        fixed, per = max(costs.draft_time(b_size) - sunk, 0.0), 0.0
+        levels = costs.level_time(b_size)
+        if levels is not None:
+            fixed, per = fixed + levels[0], levels[1]
         scale = scale or [1.0] * b_size
         acc = [self.expected_accepted(b, c) * f for b, c, f in zip(bins, cal_bins, scale)]
+        dep = [self._beyond(b, covered_levels) if n else 0 for b, n in zip(bins, nodes)]
+        depths = Counter(d for d in dep if d > 0)  # requests per depth beyond the pass
         total = sum(nodes)
 
-        def time_of(n: int) -> float:
-            return curve[n] + sunk + (d if n > 0 else 0.0)
+        def time_of(n: int, depth: int) -> float:
+            return curve[n] + sunk + (fixed + per * depth if n > 0 else 0.0)
+
+        def rung(i: int, nb: int) -> tuple[int, float, int]:  # nodes, expected tokens, depth of request i at nb
+            if nb >= k:
+                return 0, 0.0, 0
+            n = self._nodes[nb]
+            return n, self.expected_accepted(nb, cal_bins[i]) * scale[i], self._beyond(nb, covered_levels) if n else 0
 
         tokens = b_size + sum(acc)
         while total > 0:
+            deep = max(depths, default=0)
+            below = max((d for d in depths if d < deep), default=0)  # the deepest once the deepest are gone
+            now = time_of(total, deep)
             best = None
             for i, b in enumerate(bins):
                 if b >= k or nodes[i] == 0:
                     continue
-                nb = b + 1
-                n_new = self._nodes[nb] if nb < k else 0
-                a_new = self.expected_accepted(nb, cal_bins[i]) * scale[i] if nb < k else 0.0
-                d_t = time_of(total) - time_of(total - nodes[i] + n_new)
+                n_new, a_new, d_new = rung(i, b + 1)
+                rest = below if dep[i] == deep and depths[deep] == 1 else deep
+                d_t = now - time_of(total - nodes[i] + n_new, max(rest, d_new))
                 if d_t <= 0:
                     continue
                 ratio = (acc[i] - a_new) / d_t
-                if best is None or ratio < best[0] or (ratio == best[0] and i > best[1]):
-                    best = (ratio, i, nb, n_new, a_new)
-            if best is None or best[0] >= tokens / time_of(total):
+                if best is None or ratio < best[0] or (ratio == best[0] and i > best[1][0][0]):
+                    best = (ratio, [(i, b + 1, n_new, a_new, d_new)])
+            if per > 0 and deep > 0 and depths[deep] > 1:  # the deepest requests together, to a shallower rung
+                moves, n_after, a_gone, d_after = [], total, 0.0, below
+                for i in (i for i in range(b_size) if dep[i] == deep):
+                    nb = bins[i] + 1
+                    while nb < k and rung(i, nb)[2] >= deep:
+                        nb += 1
+                    n_new, a_new, d_new = rung(i, nb)
+                    moves.append((i, nb, n_new, a_new, d_new))
+                    n_after += n_new - nodes[i]
+                    a_gone += acc[i] - a_new
+                    d_after = max(d_after, d_new)
+                d_t = now - time_of(n_after, d_after)
+                if d_t > 0 and (best is None or a_gone / d_t < best[0]):
+                    best = (a_gone / d_t, moves)
+            if best is None or best[0] >= tokens / now:
                 break
-            _, i, nb, n_new, a_new = best
-            total += n_new - nodes[i]
-            tokens += a_new - acc[i]
-            bins[i], nodes[i], acc[i] = nb, n_new, a_new
-            self.stats.cost_stepdowns += 1
-            if nb >= k or self.ladder[nb] is None:
-                self.stats.no_draft += 1
-        if total > 0 and b_size / time_of(0) >= tokens / time_of(total):
+            for i, nb, n_new, a_new, d_new in best[1]:
+                total += n_new - nodes[i]
+                tokens += a_new - acc[i]
+                if dep[i]:
+                    depths[dep[i]] -= 1
+                    if not depths[dep[i]]:
+                        del depths[dep[i]]
+                if d_new:
+                    depths[d_new] += 1
+                bins[i], nodes[i], acc[i], dep[i] = nb, n_new, a_new, d_new
+                self.stats.cost_stepdowns += 1
+                if nb >= k or self.ladder[nb] is None:
+                    self.stats.no_draft += 1
+        if total > 0 and b_size / time_of(0, 0) >= tokens / time_of(total, max(depths, default=0)):
             for i, b in enumerate(bins):
                 if b < k and nodes[i] > 0:
                     bins[i] = k

@@ -270,7 +270,7 @@ class TreeScheduler(LoadRules):
 
     def choose(self, req_ids: Sequence[str], signals: Sequence[Signals],
                budget_nodes: int | None = None, costs: StepCosts | None = None, skip: Collection[int] = (),
-               sunk_seconds: float = 0.0) -> list[tuple[str | None, Tree | None]]:
+               sunk_seconds: float = 0.0, covered_levels: int = 0) -> list[tuple[str | None, Tree | None]]:
         """Each request's ``(tree id, tree)`` for this step, or ``(None, None)``: no drafting.
 
         Args:
@@ -286,6 +286,8 @@ class TreeScheduler(LoadRules):
             sunk_seconds: this step's drafting time already spent before the choice (the heads' confidence
                 pass): under measured costs only the rest of the drafting time is charged to the drafts, as the
                 step pays the spent part whether it drafts or not.
+            covered_levels: head levels that pass ran (its ``confidence_heads``; 0 without a pass): under
+                measured costs each further level of the deepest chosen tree is charged to the drafts.
 
         The cost model (:attr:`cost_model`; module docstring) applies first, for the batch ``req_ids``; under
         the ``"measured"`` load policy, :meth:`_fit_measured` on ``costs`` instead (where ``costs`` has not
@@ -307,7 +309,7 @@ class TreeScheduler(LoadRules):
         if self.measured and bins:
             cal = [self.calibration_bin(self.signal_value(s)) for s in signals]
             fitted = costs is not None and self._fit_measured(
-                bins, cal, costs, [self.acceptance_ratio(r) for r in req_ids], sunk_seconds)
+                bins, cal, costs, [self.acceptance_ratio(r) for r in req_ids], sunk_seconds, covered_levels)
             if not fitted and budget_nodes is None:
                 budget_nodes = node_budget(len(bins), DEFAULT_MAX_VERIFY_TOKENS)
         if budget_nodes is not None:

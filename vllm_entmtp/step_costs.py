@@ -12,7 +12,9 @@ that grows with its rows (the forward, the logits, sampling and verification; th
 of drafting. :meth:`StepCosts.rows_time` interpolates between measured row counts (piecewise linear; beyond the
 largest, the steeper of the last segment's slope and the mean slope). The scheduler
 (:meth:`~vllm_entmtp.scheduler.TreeScheduler.choose` with ``costs``) keeps a request's draft only while its
-expected accepted tokens per second of extra step time beat the step's own tokens per second.
+expected accepted tokens per second of extra step time beat the step's own tokens per second. The drafts after
+the schedule's choice are priced by depth (:meth:`StepCosts.level_time`): a Hydra head runs once per depth for
+every request that reaches it, so the deepest tree of the batch sets what they cost.
 
 Where a batch size's plain step is neither measured (a step without draft tokens at that many rows) nor
 between two measured row counts, the drafter makes a *probe*: one step of that batch without drafts
@@ -151,6 +153,7 @@ class StepCosts:
         self._rows: dict[int, deque] = {}  # row count -> (seconds, clock) observations
         self._rows_order: deque = deque()  # (clock, row count) of every row observation, oldest first (aging)
         self._draft: dict[int, deque] = {}
+        self._levels: dict[int, deque] = {}  # per batch size: (head levels beyond the confidence pass, seconds)
         self._since_probe: dict[int, int] = {}
         self._since_draft: dict[int, int] = {}  # steps of a batch size in which no draft paid, since it explored
         self._yield: dict[int, deque] = {}  # per batch size: (accepted heads tokens, extra seconds) a heads step
@@ -173,10 +176,18 @@ class StepCosts:
             self._med = None
 
     def record_draft(self, batch_size: int, seconds: float) -> None:
-        """Drafting from the heads for ``batch_size`` requests (their confidence, the schedule, their drafts; not
-        prompt lookup and the tracker, which run in every step) took ``seconds``."""
+        """Drafting from the heads for ``batch_size`` requests up to the schedule's choice (their confidence pass
+        and the choice; not prompt lookup and the tracker, which run in every step; the drafts after the choice
+        are recorded by :meth:`record_levels`, as their cost depends on the depth drafted) took ``seconds``."""
         if batch_size >= 1 and seconds > 0:
             self._add(self._draft, "draft", batch_size, seconds)
+
+    def record_levels(self, batch_size: int, levels: int, seconds: float) -> None:
+        """The heads' drafts after their confidence pass, for ``batch_size`` requests, took ``seconds``; they
+        evaluated ``levels`` head levels that the pass had not (a Hydra head runs once per depth, over the
+        requests whose trees reach it: a chain of 2 after a one-head pass needs one level, a chain of 1 none)."""
+        if batch_size >= 1 and levels >= 0 and seconds > 0:
+            self._add(self._levels, "levels", batch_size, (int(levels), seconds))
 
     def record_heads_yield(self, batch_size: int, accepted: int, seconds: float) -> None:
         """A step of ``batch_size`` requests in which the heads ran: ``accepted`` of their draft tokens were accepted
@@ -411,13 +422,32 @@ class StepCosts:
         return out
 
     def draft_time(self, batch_size: int) -> float:
-        """Drafting time for ``batch_size`` requests (seconds): the median at the nearest measured batch size
-        (it grows slowly with the batch: 2.2 ms for one request, 3.3 ms for sixteen on the machine above); 0
-        before any measurement."""
+        """Drafting time for ``batch_size`` requests (seconds; :meth:`record_draft`): the median at the nearest
+        measured batch size (it grows slowly with the batch: 2.2 ms for one request, 3.3 ms for sixteen on the
+        machine above); 0 before any measurement."""
         if not self._draft:
             return 0.0
         near = min(self._draft, key=lambda b: (abs(b - batch_size), -b))
         return statistics.median(self._draft[near])
+
+    def level_time(self, batch_size: int) -> tuple[float, float] | None:
+        """``(rest, per_level)`` seconds of the heads' drafts after their confidence pass near ``batch_size``
+        (:meth:`record_levels`): ``rest``, what a draft costs that needs no further level (the median of those,
+        0 where none is measured), and ``per_level``, what each further level adds (the median over drafts that
+        needed some of ``(seconds - rest) / levels``; 0 until one is measured, so that a deeper tree gets drafted
+        and measured). None where no draft is measured at a batch size near it (:func:`_nearest`'s distance).
+
+        At 16 running in-process on a 2-core Xeon with AMX (2026-12-04, bfloat16, ``step_profile.py``) a level
+        of the shipped Hydra heads took 2.2-3.2 ms of a 60-86 ms step, whether it ran for one request or for
+        sixteen (the head's block and the 8,192-row draft lm_head are read from memory either way)."""
+        near = _nearest(self._levels, batch_size, 1)
+        if near is None:
+            return None
+        obs = self._levels[near]
+        flat = [s for lv, s in obs if lv == 0]
+        rest = statistics.median(flat) if flat else 0.0
+        deep = [max(s - rest, 0.0) / lv for lv, s in obs if lv > 0]
+        return rest, statistics.median(deep) if deep else 0.0
 
     def compared(self) -> bool:
         """Whether some batch size has a realised comparison of its own (what :meth:`describe` lists)."""
@@ -437,11 +467,13 @@ class StepCosts:
                 f"to measure: probes {self.probes}, references {self.references}; exploring steps {self.explorations}")
 
     def summary(self) -> dict:
-        """For logs and tests: ``{"rows_ms": {R: median ms}, "draft_ms": {B: median ms}, "heads_yield": {B:
-        accepted heads' tokens per second added}, "step_rates": {B: [tokens/s of steps with drafts, of steps
-        without]}, "probes": n, "references": n, "explorations": n}``."""
+        """For logs and tests: ``{"rows_ms": {R: median ms}, "draft_ms": {B: median ms}, "level_ms": {B: [rest,
+        per level] ms}, "heads_yield": {B: accepted heads' tokens per second added}, "step_rates": {B: [tokens/s
+        of steps with drafts, of steps without]}, "probes": n, "references": n, "explorations": n}``."""
         return {"rows_ms": {r: round(1e3 * t, 3) for r, t in self._medians().items()},
                 "draft_ms": {b: round(1e3 * statistics.median(v), 3) for b, v in sorted(self._draft.items())},
+                "level_ms": {b: [round(1e3 * x, 3) for x in lt] for b in sorted(self._levels)
+                             if (lt := self.level_time(b)) is not None},
                 "heads_yield": {b: round(self._own_yield(b), 1) for b in sorted(self._yield)
                                 if len(self._yield[b]) >= YIELD_MIN_STEPS},
                 "step_rates": {b: [round(r, 1) for r in rates] for b in sorted(self._steps[True])

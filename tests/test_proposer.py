@@ -148,6 +148,28 @@ def test_hydra_confidence_state_is_reused_and_gives_the_same_drafts():
     assert len(state1) == 3 and drafter.propose(x, trees, bonus, state1) == drafter.propose(x, trees, bonus)
 
 
+def test_hydra_propose_counts_the_head_levels_it_ran():
+    """What the load rule prices (StepCosts.record_levels): levels whose paths the confidence pass did not
+    evaluate. After a one-head pass a chain of 1 runs none and a chain of 3 two; a tree branching at depth 1 runs
+    its second level once for all its paths; without a pass every depth runs; a chain the chain stop cuts runs
+    the levels up to the one that cut it."""
+    from vllm_entmtp.trees import Tree
+
+    drafter, heads, w, e = _hydra(seed=3)
+    x, bonus = torch.randn(4, 8), torch.arange(4)
+    _, state = drafter.confidence(x, bonus, num_heads=1)
+    for trees, want in (([Tree.chain(1)] * 4, 0), ([Tree.chain(1), Tree.chain(3), None, None], 2),
+                        ([Tree([[0], [1], [0, 0], [1, 0]])] + [Tree.chain(1)] * 3, 1)):
+        drafter.propose(x, trees, bonus, dict(state))
+        assert drafter.levels_run == want, trees
+    drafter.propose(x, [Tree.chain(2)] * 4, bonus)
+    assert drafter.levels_run == 2
+    out = drafter.propose(x, [Tree.chain(3)] * 4, bonus, dict(state), chain_stop=[0.999999] * 4)
+    # every chain stops after its first node: the second level ran (its probabilities decided the stop), the third
+    # did not
+    assert [len(o) for o in out] == [1] * 4 and drafter.levels_run == 1
+
+
 def test_hydra_confidence_threshold_cuts_chains():
     drafter, heads, w, e = _hydra(seed=3)
     x, bonus = torch.randn(8, 8), torch.arange(8)

@@ -427,13 +427,19 @@ def test_a_head_level_is_measured_apart_from_the_drafts_that_need_none():
     for _ in range(3):
         c.record_levels(16, 0, 0.0002)
     assert c.level_time(16) == (0.0002, 0.0)  # no draft that needed a level yet
-    for secs in (0.0032, 0.0026, 0.0058):
+    for secs in (0.009, 0.0032, 0.0026, 0.0058):  # the first is dropped (one-time costs)
         c.record_levels(16, 1 if secs < 0.004 else 2, secs)
     rest, per = c.level_time(16)
     assert rest == pytest.approx(0.0002) and per == pytest.approx(0.0028)  # median of 3.0, 2.4, 2.8 ms
-    assert c.level_time(14) == (rest, per) and c.level_time(8) is None  # near batch sizes only
+    for _ in range(40):  # many drafts that run no level do not crowd the level's price out
+        c.record_levels(16, 0, 0.0002)
+    assert c.level_time(16) == pytest.approx((rest, per))
+    c.record_levels(4, 0, 0.0001)
+    c.record_levels(4, 0, 0.0001)
+    # each part at the nearest batch size that has it: batch size 4's own rest, 16's level
+    assert c.level_time(4) == pytest.approx((0.0001, 0.00285)) and c.level_time(14) == pytest.approx((rest, per))
     assert StepCosts().level_time(16) is None
-    assert c.summary()["level_ms"] == {16: [0.2, 2.8]}
+    assert c.summary()["level_ms"] == {4: [0.1, 2.85], 16: [0.2, 2.8]}
 
 
 def test_measured_costs_price_the_head_levels_of_the_deepest_tree():

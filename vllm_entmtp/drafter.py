@@ -79,6 +79,7 @@ class EntMTPProposer(MedusaProposer):
     heads_ran = True  # whether this step's drafting ran the heads
     heads_seconds = 0.0  # this step: the time the heads' drafting took (confidence, the schedule, the drafts)
     draft_seconds = 0.0  # this step: the part of heads_seconds after the schedule's choice (the drafts)
+    _draft_fell_back = False  # this step's drafts were made request by request after the batch's call failed
     _proposed_free = True  # the last drafts proposed: no request of that step was held to a tree
     _heads_nodes: tuple[int, int] | None = None  # this step: the heads' draft nodes, and all draft nodes
     _heads_step: tuple[int, float] | None = None  # last step that ran the heads: (batch size, seconds they added)
@@ -308,10 +309,11 @@ class EntMTPProposer(MedusaProposer):
     def _draft(self, req_ids: list[str], hidden, trees, bonus, state=None, stops=None) -> list[list[int]]:
         """The drafter over the batch; if it fails, request by request, so that a request whose drafting
         fails drafts nothing this step and the others draft as usual."""
+        self._draft_fell_back = False
         try:
             return self._draft_rows(req_ids, hidden, trees, bonus, state, stops)
         except Exception:  # noqa: BLE001 - find the request(s) it failed for, below
-            pass
+            self._draft_fell_back = True  # its time is not a step's drafting time (StepCosts.record_levels)
         out: list[list[int]] = []
         for i, tree in enumerate(trees):
             one = slice(i, i + 1)
@@ -462,9 +464,9 @@ class EntMTPProposer(MedusaProposer):
             drafts = self._draft(req_ids, hidden, trees, bonus, state, stops)
             self.draft_seconds = time.perf_counter() - t_draft
             self.heads_seconds = heads_seconds + time.perf_counter() - t_heads
-            if costs is not None and any(t is not None for t in trees):  # what a level of the heads costs here
-                deepest = max(t.depth for t in trees if t is not None)
-                costs.record_levels(n, max(deepest - covered, 0), self.draft_seconds)
+            if costs is not None and any(t is not None for t in trees) and not self._draft_fell_back:
+                # what a level of the heads costs here, by the levels the drafter ran (a chain cut short runs fewer)
+                costs.record_levels(n, getattr(self.drafter, "levels_run", 0), self.draft_seconds)
         if lookups:
             chosen, drafts = self._weigh_lookup(req_ids, lookups, sure, chosen, drafts, costs, budget)
         # the heads' yield is kept for steps the load rule judges (not those with a request held to a tree)

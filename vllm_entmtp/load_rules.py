@@ -5,7 +5,8 @@ Load (the bin a request's signal holds is never changed by any of these):
 
 0. **Measured costs** (``load_policy="measured"``, the default, for sets built by ``vllm-entmtp build-trees``):
    :meth:`TreeScheduler.choose` with ``costs`` (:class:`~vllm_entmtp.step_costs.StepCosts`, measured on the
-   running engine: a decode step's row-bound time by the rows it verifies, drafting time by batch size) steps
+   running engine: a decode step's row-bound time by the rows it verifies, drafting time by batch size, each head
+   level the drafts run after the choice; :meth:`LoadRules._fit_measured`) steps
    requests down the ladder, the one giving up the fewest expected accepted tokens per second of step time saved
    first, while that gives up fewer than the step's tokens per second; then, if a step without drafts is faster
    per token, nobody drafts. :meth:`TreeScheduler.drafting_pays` tells the drafter before it runs the heads
@@ -282,7 +283,8 @@ class LoadRules:
             fixed, per = fixed + levels[0], levels[1]
         scale = scale or [1.0] * b_size
         acc = [self.expected_accepted(b, c) * f for b, c, f in zip(bins, cal_bins, scale)]
-        dep = [self._beyond(b, covered_levels) if n else 0 for b, n in zip(bins, nodes)]
+        beyond = [self._beyond(b, covered_levels) for b in range(k)] + [0]  # per rung; past the ladder: none
+        dep = [beyond[b] if n else 0 for b, n in zip(bins, nodes)]
         depths = Counter(d for d in dep if d > 0)  # requests per depth beyond the pass
         total = sum(nodes)
 
@@ -293,7 +295,7 @@ class LoadRules:
             if nb >= k:
                 return 0, 0.0, 0
             n = self._nodes[nb]
-            return n, self.expected_accepted(nb, cal_bins[i]) * scale[i], self._beyond(nb, covered_levels) if n else 0
+            return n, self.expected_accepted(nb, cal_bins[i]) * scale[i], beyond[nb] if n else 0
 
         tokens = b_size + sum(acc)
         while total > 0:

@@ -180,6 +180,8 @@ class HydraDrafter:
     #: :meth:`confidence` runs heads along the greedy chain (as many as asked), which a tree may not need: callers
     #: that do not use the confidence signal skip it.
     confidence_is_free = False
+    #: Head levels the last :meth:`propose` ran (those whose paths the confidence pass had not evaluated).
+    levels_run = 0
 
     def __init__(self, heads: HydraHeads, embed: Callable[[torch.Tensor], torch.Tensor],
                  lm_head_weight: torch.Tensor | None, confidence_threshold: float = 0.0,
@@ -282,6 +284,7 @@ class HydraDrafter:
         Raises:
             ValueError: ``len(trees) != B``, no ``bonus``, a tree deeper than the heads, or a bad ``chain_stop``.
         """
+        self.levels_run = 0
         b = hidden.shape[0]
         trees = list(trees)
         if b != len(trees):
@@ -313,6 +316,7 @@ class HydraDrafter:
                 # top-1 probabilities are read by the chain stop only
                 probs = any(stops[i][0] > 0.0 and trees[i].is_chain for i, _ in todo)
                 toks, p1 = self._level(d, hidden.index_select(0, rows), ids, k_top, probs)
+                self.levels_run += 1
                 for x, tk, p in zip(todo, toks, p1 if p1 is not None else [None] * len(todo)):
                     memo[(x[0], path_of[x])] = (tk, p)
             frontier = []

@@ -153,7 +153,8 @@ class StepCosts:
         self._rows: dict[int, deque] = {}  # row count -> (seconds, clock) observations
         self._rows_order: deque = deque()  # (clock, row count) of every row observation, oldest first (aging)
         self._draft: dict[int, deque] = {}
-        self._levels: dict[int, deque] = {}  # per batch size: (head levels beyond the confidence pass, seconds)
+        self._levels: dict[int, deque] = {}  # per batch size: (head levels run beyond the confidence pass, seconds)
+        self._flat: dict[int, deque] = {}  # per batch size: seconds of drafts that ran no head level
         self._since_probe: dict[int, int] = {}
         self._since_draft: dict[int, int] = {}  # steps of a batch size in which no draft paid, since it explored
         self._yield: dict[int, deque] = {}  # per batch size: (accepted heads tokens, extra seconds) a heads step
@@ -183,11 +184,14 @@ class StepCosts:
             self._add(self._draft, "draft", batch_size, seconds)
 
     def record_levels(self, batch_size: int, levels: int, seconds: float) -> None:
-        """The heads' drafts after their confidence pass, for ``batch_size`` requests, took ``seconds``; they
-        evaluated ``levels`` head levels that the pass had not (a Hydra head runs once per depth, over the
-        requests whose trees reach it: a chain of 2 after a one-head pass needs one level, a chain of 1 none)."""
-        if batch_size >= 1 and levels >= 0 and seconds > 0:
+        """The heads' drafts after their confidence pass, for ``batch_size`` requests, took ``seconds``; they ran
+        ``levels`` head levels (a Hydra head runs once per depth, over the paths that need it and the pass did not
+        evaluate: with the default one-head pass, a chain of 2 runs one level, a chain of 1 none). Drafts that
+        ran no level and drafts that ran some are kept apart, so that neither crowds the other out."""
+        if batch_size >= 1 and levels > 0 and seconds > 0:
             self._add(self._levels, "levels", batch_size, (int(levels), seconds))
+        elif batch_size >= 1 and levels == 0 and seconds > 0:
+            self._add(self._flat, "flat", batch_size, seconds)
 
     def record_heads_yield(self, batch_size: int, accepted: int, seconds: float) -> None:
         """A step of ``batch_size`` requests in which the heads ran: ``accepted`` of their draft tokens were accepted
@@ -423,8 +427,8 @@ class StepCosts:
 
     def draft_time(self, batch_size: int) -> float:
         """Drafting time for ``batch_size`` requests (seconds; :meth:`record_draft`): the median at the nearest
-        measured batch size (it grows slowly with the batch: 2.2 ms for one request, 3.3 ms for sixteen on the
-        machine above); 0 before any measurement."""
+        measured batch size (it grows slowly with the batch: drafts included, 2.2 ms for one request and 3.3 ms
+        for sixteen on the machine above); 0 before any measurement."""
         if not self._draft:
             return 0.0
         near = min(self._draft, key=lambda b: (abs(b - batch_size), -b))
@@ -435,19 +439,24 @@ class StepCosts:
         (:meth:`record_levels`): ``rest``, what a draft costs that needs no further level (the median of those,
         0 where none is measured), and ``per_level``, what each further level adds (the median over drafts that
         needed some of ``(seconds - rest) / levels``; 0 until one is measured, so that a deeper tree gets drafted
-        and measured). None where no draft is measured at a batch size near it (:func:`_nearest`'s distance).
+        and measured), each at the batch size nearest ``batch_size`` that has them (within :func:`_nearest`'s
+        distance where one is, else at any). None before any draft is measured.
 
         At 16 running in-process on a 2-core Xeon with AMX (2026-12-04, bfloat16, ``step_profile.py``) a level
         of the shipped Hydra heads took 2.2-3.2 ms of a 60-86 ms step, whether it ran for one request or for
         sixteen (the head's block and the 8,192-row draft lm_head are read from memory either way)."""
-        near = _nearest(self._levels, batch_size, 1)
-        if near is None:
+        def nearest(table: dict[int, deque]) -> deque | None:  # near the batch size, else the nearest measured
+            near = _nearest(table, batch_size, 1)
+            if near is None and table:
+                near = min(table, key=lambda b: (abs(b - batch_size), -b))
+            return table[near] if near is not None else None
+
+        flat, deep = nearest(self._flat), nearest(self._levels)
+        if flat is None and deep is None:
             return None
-        obs = self._levels[near]
-        flat = [s for lv, s in obs if lv == 0]
         rest = statistics.median(flat) if flat else 0.0
-        deep = [max(s - rest, 0.0) / lv for lv, s in obs if lv > 0]
-        return rest, statistics.median(deep) if deep else 0.0
+        per = statistics.median(max(s - rest, 0.0) / lv for lv, s in deep) if deep else 0.0
+        return rest, per
 
     def compared(self) -> bool:
         """Whether some batch size has a realised comparison of its own (what :meth:`describe` lists)."""
@@ -472,7 +481,7 @@ class StepCosts:
         of steps with drafts, of steps without]}, "probes": n, "references": n, "explorations": n}``."""
         return {"rows_ms": {r: round(1e3 * t, 3) for r, t in self._medians().items()},
                 "draft_ms": {b: round(1e3 * statistics.median(v), 3) for b, v in sorted(self._draft.items())},
-                "level_ms": {b: [round(1e3 * x, 3) for x in lt] for b in sorted(self._levels)
+                "level_ms": {b: [round(1e3 * x, 3) for x in lt] for b in sorted({*self._levels, *self._flat})
                              if (lt := self.level_time(b)) is not None},
                 "heads_yield": {b: round(self._own_yield(b), 1) for b in sorted(self._yield)
                                 if len(self._yield[b]) >= YIELD_MIN_STEPS},

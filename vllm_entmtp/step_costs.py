@@ -442,9 +442,10 @@ class StepCosts:
         and measured), each at the batch size nearest ``batch_size`` that has them (within :func:`_nearest`'s
         distance where one is, else at any). None before any draft is measured.
 
-        At 16 running in-process on a 2-core Xeon with AMX (2026-12-04, bfloat16, ``step_profile.py``) a level
-        of the shipped Hydra heads took 2.2-3.2 ms of a 60-86 ms step, whether it ran for one request or for
-        sixteen (the head's block and the 8,192-row draft lm_head are read from memory either way)."""
+        On a 2-core Xeon with AMX (2026-12-04, bfloat16, ``step_profile.py``, in-process) a level of the shipped
+        Hydra heads took 1.5-1.6 ms of a 30-ms step at one request and 2.2-3.2 ms of a 60-86 ms step over sixteen;
+        alone, the head's block and 8,192-row draft lm_head took 0.53 ms for one row and 0.59 ms for sixteen
+        (their weights are read from memory however few rows they multiply)."""
         def nearest(table: dict[int, deque]) -> deque | None:  # near the batch size, else the nearest measured
             near = _nearest(table, batch_size, 1)
             if near is None and table:

@@ -284,7 +284,7 @@ class LoadRules:
         scale = scale or [1.0] * b_size
         acc = [self.expected_accepted(b, c) * f for b, c, f in zip(bins, cal_bins, scale)]
         beyond = [self._beyond(b, covered_levels) for b in range(k)] + [0]  # per rung; past the ladder: none
-        dep = [beyond[b] if n else 0 for b, n in zip(bins, nodes)]
+        dep = [beyond[b] for b in bins]
         depths = Counter(d for d in dep if d > 0)  # requests per depth beyond the pass
         total = sum(nodes)
 
@@ -295,7 +295,7 @@ class LoadRules:
             if nb >= k:
                 return 0, 0.0, 0
             n = self._nodes[nb]
-            return n, self.expected_accepted(nb, cal_bins[i]) * scale[i], beyond[nb] if n else 0
+            return n, self.expected_accepted(nb, cal_bins[i]) * scale[i], beyond[nb]
 
         tokens = b_size + sum(acc)
         while total > 0:
@@ -318,7 +318,7 @@ class LoadRules:
                 moves, n_after, a_gone, d_after = [], total, 0.0, below
                 for i in (i for i in range(b_size) if dep[i] == deep):
                     nb = bins[i] + 1
-                    while nb < k and rung(i, nb)[2] >= deep:
+                    while nb < k and beyond[nb] >= deep:
                         nb += 1
                     n_new, a_new, d_new = rung(i, nb)
                     moves.append((i, nb, n_new, a_new, d_new))

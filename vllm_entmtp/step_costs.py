@@ -144,6 +144,12 @@ def _nearest(table: dict[int, deque], batch_size: int, need: int) -> int | None:
     return min(near, key=lambda b: (abs(b - batch_size), -b)) if near else None
 
 
+def _closest(table: dict[int, deque], batch_size: int) -> deque | None:
+    """The observations of ``table``'s batch size nearest ``batch_size``, at any distance (ties: the larger);
+    None for an empty table."""
+    return table[min(table, key=lambda b: (abs(b - batch_size), -b))] if table else None
+
+
 class StepCosts:
     """Recent step times by rows verified and drafting times by batch size (seconds)."""
 
@@ -431,28 +437,21 @@ class StepCosts:
         for sixteen on the machine above); 0 before any measurement."""
         if not self._draft:
             return 0.0
-        near = min(self._draft, key=lambda b: (abs(b - batch_size), -b))
-        return statistics.median(self._draft[near])
+        return statistics.median(_closest(self._draft, batch_size))
 
     def level_time(self, batch_size: int) -> tuple[float, float] | None:
         """``(rest, per_level)`` seconds of the heads' drafts after their confidence pass near ``batch_size``
         (:meth:`record_levels`): ``rest``, what a draft costs that needs no further level (the median of those,
         0 where none is measured), and ``per_level``, what each further level adds (the median over drafts that
         needed some of ``(seconds - rest) / levels``; 0 until one is measured, so that a deeper tree gets drafted
-        and measured), each at the batch size nearest ``batch_size`` that has them (within :func:`_nearest`'s
-        distance where one is, else at any). None before any draft is measured.
+        and measured), each at the batch size nearest ``batch_size`` that has them. None before any draft is
+        measured.
 
         On a 2-core Xeon with AMX (2026-12-04, bfloat16, ``step_profile.py``, in-process) a level of the shipped
         Hydra heads took 1.5-1.6 ms of a 30-ms step at one request and 2.2-3.2 ms of a 60-86 ms step over sixteen;
         alone, the head's block and 8,192-row draft lm_head took 0.53 ms for one row and 0.59 ms for sixteen
         (their weights are read from memory however few rows they multiply)."""
-        def nearest(table: dict[int, deque]) -> deque | None:  # near the batch size, else the nearest measured
-            near = _nearest(table, batch_size, 1)
-            if near is None and table:
-                near = min(table, key=lambda b: (abs(b - batch_size), -b))
-            return table[near] if near is not None else None
-
-        flat, deep = nearest(self._flat), nearest(self._levels)
+        flat, deep = _closest(self._flat, batch_size), _closest(self._levels, batch_size)
         if flat is None and deep is None:
             return None
         rest = statistics.median(flat) if flat else 0.0

@@ -778,17 +778,46 @@ def test_steps_without_drafts_are_asked_for_where_drafted_ones_have_no_recent_re
 
 def test_an_exploring_step_drafts_from_32_requests_on_too():
     """The drafter explores with the schedule under the default cap (no costs); from 32 requests on the cap leaves
-    no draft node, so the exploring budget keeps room for the ladder's smallest tree: something is drafted, and
-    measured."""
+    no draft node, so the exploring budget keeps room for the ladder's smallest tree for every request: a step of
+    about twice the batch's rows is drafted, and measured."""
     s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
     smallest = min(t.num_nodes for t in s.ladder if t is not None)
-    for n, room in ((1, 31), (16, 16), (32, smallest), (40, smallest)):
+    for n, room in ((1, 31), (16, 16), (32, 32 * smallest), (40, 40 * smallest)):
         assert s.exploring_budget(n) == room
         rids = [f"x{n}-{i}" for i in range(n)]
         out = s.choose(rids, [conf(0.9)] * n, s.exploring_budget(n), None)
         drafted = [t for _, t in out if t is not None]
         assert drafted and sum(t.num_nodes for t in drafted) <= room, (n, out)
     assert s.choose([f"y{i}" for i in range(32)], [conf(0.9)] * 32, 0, None) == [(None, None)] * 32  # the cap alone
+
+
+def test_a_drafting_steps_fixed_cost_is_priced_apart_from_its_draft_rows():
+    """Served at 32 running on a Xeon with AMX, a step that drafted cost a fixed part more than a plain one and
+    little more per draft row: 32 rows 69 ms, 36 rows 88 ms, 64 rows (a chain of 1 each) 94 ms. The drafted steps'
+    own line prices the draft rows: 32 requests that each expect 0.45 accepted tokens from one draft token all
+    draft, and one confident request among 31 that expect nothing does not pay the fixed part alone. One line
+    through the plain and the drafted steps (the same times, not marked as drafted) read the plain step as 78 ms
+    and 4 draft rows as 2 ms more."""
+    from vllm_entmtp.step_costs import StepCosts
+
+    times = {32: 0.069, 36: 0.088, 48: 0.091, 64: 0.094}
+    split, mixed = StepCosts(), StepCosts()
+    for _ in range(3):
+        for rows, t in times.items():
+            split.record_rows(rows, t, drafted=rows > 32)
+            mixed.record_rows(rows, t)
+    curve = split.curve(32, 32)
+    assert curve[0] == pytest.approx(0.069)
+    assert curve[4] == pytest.approx(0.088, abs=1e-3) and curve[32] == pytest.approx(0.094, abs=1e-3)
+    assert mixed.curve(32, 32)[0] > 0.075  # the line through both kinds of step
+    s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
+    rids = [f"r{i}" for i in range(32)]
+    assert ids(s.choose(rids, [conf(0.5)] * 32, None, split)) == ["small"] * 32  # 46.4 tokens in 94 ms
+    lone = [conf(0.9)] + [conf(0.1)] * 31  # big (4 nodes, 1.5 tokens expected) for the first, nothing for the rest
+    assert ids(s.choose(rids, lone, None, split)) == [None] * 32  # 33.5 tokens in 88 ms against 32 in 69
+    # a request's heads may pay as one of many drafting requests, where alone they would need 12x the calibration's
+    # acceptance (paying_ratio: the heads run for requests whose record is above it)
+    assert s.paying_ratio(32, split) < 0.5
 
 
 def test_measured_rule_learns_how_each_requests_drafts_fare():

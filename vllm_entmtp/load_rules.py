@@ -145,9 +145,11 @@ class LoadRules:
     def exploring_budget(self, batch_size: int) -> int:
         """Draft nodes a step that drafts to measure drafting again may carry (:meth:`StepCosts.needs_exploration
         <vllm_entmtp.step_costs.StepCosts.needs_exploration>`): the default cap's, and at least the ladder's
-        smallest tree, as from 32 requests on the cap leaves none."""
+        smallest tree for every request, so that the step measures rows up to about twice the batch (from 32
+        requests on the cap leaves none; one tree of one node measured a step of 33 rows, beyond which the rows'
+        curve prices a draft row at a plain token's mean, so no draft could pay at 32 requests)."""
         smallest = min((n for n in self._nodes if n > 0), default=0)
-        return max(node_budget(batch_size, DEFAULT_MAX_VERIFY_TOKENS), smallest)
+        return max(node_budget(batch_size, DEFAULT_MAX_VERIFY_TOKENS), smallest * batch_size)
 
     # -- measured step costs (load policy "measured") ---------------------------------------------------------
 
@@ -190,8 +192,10 @@ class LoadRules:
     def paying_ratio(self, batch_size: int, costs: StepCosts) -> float | None:
         """The least acceptance record (:meth:`acceptance_ratio`) at which a request's heads could pay at
         ``batch_size`` requests: some tree of the ladder, at its best calibration bin's expected accepted tokens
-        scaled by the record, raises the step's tokens per second for its rows and its share of the drafting
-        time (the batch size's measured drafting time over its requests). Computed once per step for the batch
+        scaled by the record, raises the step's tokens per second for its rows (alone, or as the last rows of a
+        step in which every request drafts: a drafting step's fixed cost is shared, :meth:`StepCosts.curve
+        <vllm_entmtp.step_costs.StepCosts.curve>`) and its share of the drafting time (the batch size's
+        measured drafting time over its requests). Computed once per step for the batch
         (:meth:`request_may_pay` compares each request's record with it). The best bin is taken as a request's
         confidence is not known before the heads run, so no request is dropped that the choice after them
         (:meth:`_fit_measured`) would keep for the same record. None where the costs are not measured enough to
@@ -202,7 +206,8 @@ class LoadRules:
         where the heads are weakest), it bought nothing: they were dropped by the choice after it."""
         if not self.measured or batch_size < 1:
             return None
-        curve = self._curve(costs, batch_size, max(self._nodes, default=0))
+        k_max = max(self._nodes, default=0)
+        curve = self._curve(costs, batch_size, batch_size * k_max)
         if curve is None:
             return None
         share = costs.draft_time(batch_size) / batch_size
@@ -212,7 +217,9 @@ class LoadRules:
             best = max(self._acc[b]) if n else 0.0
             if n == 0 or best <= 0:
                 continue
-            extra = curve[n] - curve[0] + share
+            # its rows alone, or the last of every request's same tree (a drafting step's fixed cost is shared)
+            every = batch_size * n
+            extra = min(curve[n] - curve[0], curve[every] - curve[every - n]) + share
             need = min(need, 0.0 if extra <= 0 else plain * extra / best)
         return need
 

@@ -95,6 +95,9 @@ PROBE_EVERY = 64
 EXPLORE_UNMEASURED_EVERY = 8
 #: Measured row counts it takes to fit a line to the step time near a batch (:meth:`StepCosts.curve`).
 FIT_MIN_POINTS = 3
+#: Two row counts of drafted steps this far apart are enough for the drafted steps' line (:meth:`StepCosts.curve`):
+#: an exploring step (a tree for every request) and the rule's own steps of a few draft rows.
+DRAFTED_FIT_SPAN = 8
 #: Decode steps that verified draft tokens, and steps that verified none, that it takes to compare the two at a
 #: batch size (:meth:`StepCosts.drafting_loses`).
 COMPARE_MIN_DRAFTING = 8
@@ -157,6 +160,7 @@ class StepCosts:
         self.window = window
         self.probe_every = probe_every
         self._rows: dict[int, deque] = {}  # row count -> (seconds, clock) observations
+        self._drafted_rows: dict[int, deque] = {}  # the same, of the steps that verified draft tokens only
         self._rows_order: deque = deque()  # (clock, row count) of every row observation, oldest first (aging)
         self._draft: dict[int, deque] = {}
         self._levels: dict[int, deque] = {}  # per batch size: (head levels run beyond the confidence pass, seconds)
@@ -174,13 +178,16 @@ class StepCosts:
 
     # -- observations ---------------------------------------------------------------------------------------------
 
-    def record_rows(self, rows: int, seconds: float) -> None:
+    def record_rows(self, rows: int, seconds: float, drafted: bool = False) -> None:
         """A decode step (no prompt tokens) that verified ``rows`` rows (one root per request plus its draft
-        tokens) took ``seconds`` in its row-bound part."""
+        tokens) took ``seconds`` in its row-bound part; ``drafted``: some of those rows were draft tokens (such
+        steps are also kept apart, for the draft rows' slope in :meth:`curve`)."""
         if rows >= 1 and seconds > 0:
             self._add(self._rows, "rows", rows, (seconds, self._clock))
             self._rows_order.append((self._clock, rows))
             self._med = None
+            if drafted:
+                self._add(self._drafted_rows, "drafted-rows", rows, (seconds, self._clock))
 
     def record_draft(self, batch_size: int, seconds: float) -> None:
         """Drafting from the heads for ``batch_size`` requests up to the schedule's choice (their confidence pass
@@ -232,6 +239,11 @@ class StepCosts:
             if not obs:
                 del self._rows[r]
                 self._med = None
+        for r in [r for r, obs in self._drafted_rows.items() if not obs or self._clock - obs[-1][1] > ROWS_MAX_AGE]:
+            del self._drafted_rows[r]
+        for obs in self._drafted_rows.values():
+            while self._clock - obs[0][1] > ROWS_MAX_AGE:
+                obs.popleft()
         for table, age in ((self._yield, YIELD_MAX_AGE), (self._steps[True], STEP_RATE_MAX_AGE),
                            (self._steps[False], STEP_RATE_MAX_AGE)):
             for obs in table.values():
@@ -381,24 +393,48 @@ class StepCosts:
         49.5 ms at 36, 37 and 38 rows, so a 37th row cost 19 ms and a 38th saved as much, where a line
         through the same run's medians from 24 to 43 rows rises 1.1 ms a row). Otherwise
         :meth:`rows_time` point by point: the median, else interpolated between the nearest measured row
-        counts, beyond the largest extrapolated no less steeply than the mean time per row."""
+        counts, beyond the largest extrapolated no less steeply than the mean time per row.
+
+        Where :data:`FIT_MIN_POINTS` row counts of steps that verified draft tokens are measured above ``rows``
+        (within the same reach; or two, :data:`DRAFTED_FIT_SPAN` rows or more apart), the curve is the plain
+        step's time at ``rows`` (as above) and, with any draft row, the line through those drafted steps'
+        medians, never under the plain step: a step that drafts pays a cost that a line through plain and
+        drafted steps together spreads over the draft rows. Served at 32
+        running on a 2-core Xeon with AMX (2026-12-04, bfloat16, GSM8K, one engine core): a plain step of 32
+        rows took 69-70 ms, a step that verified 4 draft rows 88 ms, one that verified 32 (a chain of 1 for every
+        request) 94 ms; the line through the first two priced each draft row at 4.7 ms, and the rule drafted for
+        a few requests, found those steps slower per token, and rested (0.99x plain decoding), where a chain of 1
+        for every request ran 1.12x (``benchmarks/results/served-c32-rows-amx-2026-12-04/``)."""
         pointwise = self._pointwise(rows, extra)
         if pointwise is None or extra == 0:
             return pointwise
-        fit = self._local_fit(rows - max(2, rows // 4), rows + extra + max(2, rows // 4))
+        margin = max(2, rows // 4)
+        largest = max(self._rows)
+        drafted = self._local_fit(rows + 1, rows + extra + margin, drafted=True)
+        if drafted is not None:  # a step that drafts: the drafted steps' line, never under the plain step
+            a, slope = drafted
+            base = pointwise[0]
+            return [base] + [max(a + slope * r, base, p) if r > largest else max(a + slope * r, base)
+                             for r, p in zip(range(rows + 1, rows + extra + 1), pointwise[1:])]
+        fit = self._local_fit(rows - margin, rows + extra + margin)
         if fit is None:
             return pointwise
         a, slope = fit
-        largest = max(self._rows)
         return [max(a + slope * r, p) if r > largest else a + slope * r
                 for r, p in zip(range(rows, rows + extra + 1), pointwise)]
 
-    def _local_fit(self, lo: int, hi: int) -> tuple[float, float] | None:
+    def _local_fit(self, lo: int, hi: int, drafted: bool = False) -> tuple[float, float] | None:
         """``(intercept, slope >= 0)`` of the weighted least-squares line through the medians of the measured row
-        counts in ``[lo, hi]``; None with fewer than :data:`FIT_MIN_POINTS` of them."""
-        med = self._medians()
-        pts = [(r, t, len(self._rows[r])) for r, t in med.items() if lo <= r <= hi]
-        if len(pts) < FIT_MIN_POINTS:
+        counts in ``[lo, hi]`` (``drafted``: of the steps that verified draft tokens only); None with fewer than
+        :data:`FIT_MIN_POINTS` of them."""
+        if drafted:
+            table = self._drafted_rows
+            med = {r: statistics.median(o[0] for o in v) for r, v in table.items() if lo <= r <= hi}
+        else:
+            table, med = self._rows, self._medians()
+        pts = [(r, t, len(table[r])) for r, t in med.items() if lo <= r <= hi]
+        if len(pts) < FIT_MIN_POINTS and not (
+                drafted and len(pts) >= 2 and max(p[0] for p in pts) - min(p[0] for p in pts) >= DRAFTED_FIT_SPAN):
             return None
         w = sum(n for _, _, n in pts)
         mr = sum(r * n for r, _, n in pts) / w

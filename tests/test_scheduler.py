@@ -804,7 +804,7 @@ def test_a_drafting_steps_fixed_cost_is_priced_apart_from_its_draft_rows():
     split, mixed = StepCosts(), StepCosts()
     for _ in range(3):
         for rows, t in times.items():
-            split.record_rows(rows, t, drafted=rows > 32)
+            split.record_rows(rows, t, 32 if rows > 32 else None)
             mixed.record_rows(rows, t)
     curve = split.curve(32, 32)
     assert curve[0] == pytest.approx(0.069)
@@ -818,6 +818,32 @@ def test_a_drafting_steps_fixed_cost_is_priced_apart_from_its_draft_rows():
     # a request's heads may pay as one of many drafting requests, where alone they would need 12x the calibration's
     # acceptance (paying_ratio: the heads run for requests whose record is above it)
     assert s.paying_ratio(32, split) < 0.5
+
+
+def test_drafted_steps_are_priced_against_the_plain_step_of_their_own_batch_size_as_measured_then():
+    """Drafted steps are kept as their time over the plain step of their batch size when they ran, from batch
+    sizes near the one priced: when longer contexts make the plain step dearer (served, ShareGPT after GSM8K at 32
+    running: 106 ms against 69), the drafted steps measured on the short ones grow with it, where in seconds they
+    had made every draft look free; and 16 requests with 24 draft rows say nothing of 32 requests with 8."""
+    from vllm_entmtp.step_costs import StepCosts
+
+    c = StepCosts()
+    for _ in range(3):
+        c.record_rows(32, 0.069)
+        for rows, t in ((36, 0.088), (48, 0.091), (64, 0.094)):
+            c.record_rows(rows, t, 32)
+    for _ in range(16):  # longer contexts: the plain step's window now reads 106 ms
+        c.record_rows(32, 0.106)
+    curve = c.curve(32, 32)
+    assert curve[0] == pytest.approx(0.106)
+    assert curve[32] == pytest.approx(0.094 * 0.106 / 0.069, rel=0.01)  # not 0.094: below the plain step
+    other = StepCosts()
+    for _ in range(3):
+        other.record_rows(16, 0.050)
+        other.record_rows(32, 0.069)
+        for rows, t in ((36, 0.060), (40, 0.061), (48, 0.062)):  # 16 requests with 20-32 draft rows
+            other.record_rows(rows, t, 16)
+    assert other._drafted_fit(32, 72, 0.069) is None  # no drafted step of a batch near 32
 
 
 def test_measured_rule_learns_how_each_requests_drafts_fare():

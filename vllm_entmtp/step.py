@@ -133,7 +133,7 @@ class SpecStep:
     # verification) started, for the measured step costs (0: not a decode step)
     decode_rows: int = 0
     rows_clock: float = 0.0
-    decode_drafted: bool = False  # some of the decode step's rows are draft tokens
+    decode_batch: int = 0  # the decode step's requests (fewer than its rows where it verifies draft tokens)
 
     def reset(self, rows: dict[int, TreeRows], fallback: set[int] | None = None) -> None:
         self.rows = rows
@@ -146,7 +146,7 @@ class SpecStep:
         self.paths = {}
         self.signals = (None, None)
         self.decode_rows = 0
-        self.decode_drafted = False
+        self.decode_batch = 0
         if rows:
             self.row_lo = min(r.q0 for r in rows.values())
             self.row_hi = max(r.q0 + r.num_rows for r in rows.values())
@@ -210,7 +210,8 @@ def begin_step(runner, scheduler_output) -> None:
         total = scheduler_output.total_num_scheduled_tokens
         drafts = sum(len(v) for v in scheduler_output.scheduled_spec_decode_tokens.values())
         if total == len(scheduler_output.num_scheduled_tokens) + drafts:
-            STEP.decode_rows, STEP.rows_clock, STEP.decode_drafted = total, time.perf_counter(), drafts > 0
+            STEP.decode_rows, STEP.rows_clock = total, time.perf_counter()
+            STEP.decode_batch = len(scheduler_output.num_scheduled_tokens)
 
 
 def _tree_rows(runner, b: int, draft: Draft, sched, q0: int, tree_attention: bool) -> TreeRows | None:
@@ -266,7 +267,7 @@ def verify(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output, e
             STEP.signals = (None, None)
     if STEP.decode_rows and runner.drafter.step_costs is not None:
         runner.drafter.step_costs.record_rows(STEP.decode_rows, time.perf_counter() - STEP.rows_clock,
-                                              drafted=STEP.decode_drafted)
+                                              STEP.decode_batch if STEP.decode_batch < STEP.decode_rows else None)
 
 
 def _walk(tr: TreeRows, rows: torch.Tensor, sp, generator) -> tuple[list[int], int]:

@@ -32,9 +32,9 @@ pays, the heads never ran again, so the estimate never changed and the server dr
 * where drafting does not pay, every :data:`PROBE_EVERY` such steps of a batch size (every
   :data:`EXPLORE_UNMEASURED_EVERY` while no step of more rows than the batch is measured: the extrapolation above
   prices each draft row there at no less than a plain token, so no draft could pay) the drafter drafts anyway
-  (:meth:`StepCosts.needs_exploration`, under the default cap of verified rows, or the ladder's smallest tree
-  where the cap leaves no room), so that the drafting time and the
-  draft rows' costs are measured again.
+  (:meth:`StepCosts.needs_exploration`, under the default cap of verified rows, or with room for the ladder's
+  smallest tree for every request where that is more: a step of about twice the batch's rows), so that the
+  drafting time and the draft rows' costs are measured again.
 
 The heads' realised yield: the rule above judges a batch size by the calibration's best acceptance, so it may
 run the heads every step where the schedule then drafts little from them (2026-12-02, in-process, 32 requests,
@@ -139,6 +139,17 @@ def _rate(obs) -> float:
     return sum(o[0] for o in obs) / sum(o[1] for o in obs)
 
 
+def _line(pts: list[tuple[int, float, int]]) -> tuple[float, float]:
+    """``(intercept, slope >= 0)`` of the least-squares line through ``(rows, seconds, weight)`` points (at least
+    two row counts)."""
+    w = sum(n for _, _, n in pts)
+    mr = sum(r * n for r, _, n in pts) / w
+    mt = sum(t * n for _, t, n in pts) / w
+    var = sum(n * (r - mr) ** 2 for r, _, n in pts)
+    slope = max(sum(n * (r - mr) * (t - mt) for r, t, n in pts) / var, 0.0)
+    return mt - slope * mr, slope
+
+
 def _nearest(table: dict[int, deque], batch_size: int, need: int) -> int | None:
     """The batch size of ``table`` nearest ``batch_size`` (no further than ``max(2, batch_size // 4)``: under
     continuous batching the batch size moves by a few requests from step to step; ties: the larger) with ``need``
@@ -160,7 +171,8 @@ class StepCosts:
         self.window = window
         self.probe_every = probe_every
         self._rows: dict[int, deque] = {}  # row count -> (seconds, clock) observations
-        self._drafted_rows: dict[int, deque] = {}  # the same, of the steps that verified draft tokens only
+        # row count -> (seconds over the plain step of its batch size, clock, batch size) of the drafted steps
+        self._drafted_rows: dict[int, deque] = {}
         self._rows_order: deque = deque()  # (clock, row count) of every row observation, oldest first (aging)
         self._draft: dict[int, deque] = {}
         self._levels: dict[int, deque] = {}  # per batch size: (head levels run beyond the confidence pass, seconds)
@@ -178,16 +190,19 @@ class StepCosts:
 
     # -- observations ---------------------------------------------------------------------------------------------
 
-    def record_rows(self, rows: int, seconds: float, drafted: bool = False) -> None:
+    def record_rows(self, rows: int, seconds: float, batch_size: int | None = None) -> None:
         """A decode step (no prompt tokens) that verified ``rows`` rows (one root per request plus its draft
-        tokens) took ``seconds`` in its row-bound part; ``drafted``: some of those rows were draft tokens (such
-        steps are also kept apart, for the draft rows' slope in :meth:`curve`)."""
+        tokens) took ``seconds`` in its row-bound part. ``batch_size``: its requests, where some of its rows were
+        draft tokens (fewer than ``rows``); such a step is also kept apart, as its time over the plain step of
+        its batch size as now measured, for the drafted steps' line of :meth:`curve`."""
         if rows >= 1 and seconds > 0:
             self._add(self._rows, "rows", rows, (seconds, self._clock))
             self._rows_order.append((self._clock, rows))
             self._med = None
-            if drafted:
-                self._add(self._drafted_rows, "drafted-rows", rows, (seconds, self._clock))
+            if batch_size is not None and 1 <= batch_size < rows:
+                plain = self._pointwise(batch_size, 0)
+                if plain is not None and plain[0] > 0:
+                    self._add(self._drafted_rows, "drafted-rows", rows, (seconds / plain[0], self._clock, batch_size))
 
     def record_draft(self, batch_size: int, seconds: float) -> None:
         """Drafting from the heads for ``batch_size`` requests up to the schedule's choice (their confidence pass
@@ -398,22 +413,27 @@ class StepCosts:
         Where :data:`FIT_MIN_POINTS` row counts of steps that verified draft tokens are measured above ``rows``
         (within the same reach; or two, :data:`DRAFTED_FIT_SPAN` rows or more apart), the curve is the plain
         step's time at ``rows`` (as above) and, with any draft row, the line through those drafted steps'
-        medians, never under the plain step: a step that drafts pays a cost that a line through plain and
-        drafted steps together spreads over the draft rows. Served at 32
+        medians (:meth:`_drafted_fit`: of batch sizes near ``rows``, each scaled by the plain step now over the
+        plain step when it was measured), never under the plain step: a step that drafts pays a cost that a line
+        through plain and drafted steps together spreads over the draft rows. Served at 32
         running on a 2-core Xeon with AMX (2026-12-04, bfloat16, GSM8K, one engine core): a plain step of 32
         rows took 69-70 ms, a step that verified 4 draft rows 88 ms, one that verified 32 (a chain of 1 for every
         request) 94 ms; the line through the first two priced each draft row at 4.7 ms, and the rule drafted for
         a few requests, found those steps slower per token, and rested (0.99x plain decoding), where a chain of 1
-        for every request ran 1.12x (``benchmarks/results/served-c32-rows-amx-2026-12-04/``)."""
+        for every request ran 1.12x (``benchmarks/results/served-c32-rows-amx-2026-12-04/``). Taken in seconds
+        and from any batch size, the same server's drafted steps of GSM8K at 32 running (64 rows in 100 ms)
+        priced ShareGPT's next (long contexts: a plain step of 32 rows took 106 ms) as free, and every request
+        drafted (143 ms a step) until the realised comparison stopped the drafts; and 40 rows of 16 requests
+        are not 40 rows of 32 requests."""
         pointwise = self._pointwise(rows, extra)
         if pointwise is None or extra == 0:
             return pointwise
         margin = max(2, rows // 4)
         largest = max(self._rows)
-        drafted = self._local_fit(rows + 1, rows + extra + margin, drafted=True)
+        base = pointwise[0]
+        drafted = self._drafted_fit(rows, rows + extra + margin, base) if base > 0 else None
         if drafted is not None:  # a step that drafts: the drafted steps' line, never under the plain step
             a, slope = drafted
-            base = pointwise[0]
             return [base] + [max(a + slope * r, base, p) if r > largest else max(a + slope * r, base)
                              for r, p in zip(range(rows + 1, rows + extra + 1), pointwise[1:])]
         fit = self._local_fit(rows - margin, rows + extra + margin)
@@ -423,25 +443,30 @@ class StepCosts:
         return [max(a + slope * r, p) if r > largest else a + slope * r
                 for r, p in zip(range(rows, rows + extra + 1), pointwise)]
 
-    def _local_fit(self, lo: int, hi: int, drafted: bool = False) -> tuple[float, float] | None:
+    def _local_fit(self, lo: int, hi: int) -> tuple[float, float] | None:
         """``(intercept, slope >= 0)`` of the weighted least-squares line through the medians of the measured row
-        counts in ``[lo, hi]`` (``drafted``: of the steps that verified draft tokens only); None with fewer than
-        :data:`FIT_MIN_POINTS` of them."""
-        if drafted:
-            table = self._drafted_rows
-            med = {r: statistics.median(o[0] for o in v) for r, v in table.items() if lo <= r <= hi}
-        else:
-            table, med = self._rows, self._medians()
-        pts = [(r, t, len(table[r])) for r, t in med.items() if lo <= r <= hi]
+        counts in ``[lo, hi]``; None with fewer than :data:`FIT_MIN_POINTS` of them."""
+        med = self._medians()
+        pts = [(r, t, len(self._rows[r])) for r, t in med.items() if lo <= r <= hi]
+        return _line(pts) if len(pts) >= FIT_MIN_POINTS else None
+
+    def _drafted_fit(self, batch_size: int, hi: int, plain: float) -> tuple[float, float] | None:
+        """The line of :func:`_line` through the drafted steps of ``batch_size + 1 .. hi`` rows, each taken as its
+        time over the plain step of its batch size when it was measured, times ``plain`` (the plain step of
+        ``batch_size`` rows now: the costs of both grow with the contexts running), from batch sizes no further
+        than ``max(2, batch_size // 4)`` (the same rows split into more draft rows cost more); None with fewer
+        than :data:`FIT_MIN_POINTS` row counts (or two :data:`DRAFTED_FIT_SPAN` rows apart)."""
+        reach = max(2, batch_size // 4)
+        pts = []
+        for r, obs in self._drafted_rows.items():
+            if batch_size < r <= hi:
+                near = [o[0] for o in obs if abs(o[2] - batch_size) <= reach]
+                if near:
+                    pts.append((r, plain * statistics.median(near), len(near)))
         if len(pts) < FIT_MIN_POINTS and not (
-                drafted and len(pts) >= 2 and max(p[0] for p in pts) - min(p[0] for p in pts) >= DRAFTED_FIT_SPAN):
+                len(pts) >= 2 and max(p[0] for p in pts) - min(p[0] for p in pts) >= DRAFTED_FIT_SPAN):
             return None
-        w = sum(n for _, _, n in pts)
-        mr = sum(r * n for r, _, n in pts) / w
-        mt = sum(t * n for _, t, n in pts) / w
-        var = sum(n * (r - mr) ** 2 for r, _, n in pts)
-        slope = max(sum(n * (r - mr) * (t - mt) for r, t, n in pts) / var, 0.0)
-        return mt - slope * mr, slope
+        return _line(pts)
 
     def _pointwise(self, rows: int, extra: int) -> list[float] | None:
         med = self._medians()

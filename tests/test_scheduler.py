@@ -616,11 +616,11 @@ def test_drafting_is_measured_again_where_it_does_not_pay():
 
     s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
     c = StepCosts()
-    for rows, t in ((1, 0.025), (5, 0.027)):
+    for rows, t in ((1, 0.025), (3, 0.026), (4, 0.0265), (5, 0.027)):  # a plain step, and drafted ones
         for _ in range(3):
-            c.record_rows(rows, t)
+            c.record_rows(rows, t, 1 if rows > 1 else None)
     c.record_draft(1, 0.237)
-    assert not s.drafting_pays(1, c)
+    assert not s.drafting_pays(1, c) and c.drafted_line_known(1)
     explored = [c.needs_exploration(1) for _ in range(2 * PROBE_EVERY)]
     assert explored.count(True) == 2 and explored.index(True) == PROBE_EVERY - 1
     assert not c.needs_exploration(4) and c.summary()["explorations"] == 2  # counted per batch size
@@ -631,7 +631,9 @@ def test_drafting_is_measured_again_where_it_does_not_pay():
 def test_drafting_is_explored_sooner_where_no_step_of_more_rows_is_measured():
     """A batch size larger than any drafted step so far: its draft rows are extrapolated at a plain token's cost
     each, so no draft pays there until a drafted step of more rows is measured. The drafter explores every
-    EXPLORE_UNMEASURED_EVERY steps until then, and every PROBE_EVERY steps after."""
+    EXPLORE_UNMEASURED_EVERY steps until then and until the drafted steps' own line is measured there (two drafted
+    row counts 8 apart: the second exploring step drafts half the first's rows), and every PROBE_EVERY steps
+    after."""
     from vllm_entmtp.step_costs import EXPLORE_UNMEASURED_EVERY, PROBE_EVERY, StepCosts
 
     assert EXPLORE_UNMEASURED_EVERY < PROBE_EVERY
@@ -639,17 +641,22 @@ def test_drafting_is_explored_sooner_where_no_step_of_more_rows_is_measured():
     c = StepCosts()
     for rows, t in ((1, 0.012), (3, 0.014), (16, 0.020)):  # a warm-up at one request, a probe at sixteen
         for _ in range(3):
-            c.record_rows(rows, t)
+            c.record_rows(rows, t, 1 if rows == 3 else None)
     c.record_draft(16, 0.0015)
     assert not s.drafting_pays(16, c)  # 17+ rows: 20 ms / 16 rows = 1.25 ms a draft row, a plain token's cost
     explored = [c.needs_exploration(16) for _ in range(EXPLORE_UNMEASURED_EVERY)]
     assert explored == [False] * (EXPLORE_UNMEASURED_EVERY - 1) + [True]
     for _ in range(3):
-        c.record_rows(24, 0.022)  # what the exploring step measured: 8 draft rows for 2 ms
+        c.record_rows(32, 0.023, 16)  # what the exploring step measured: 16 draft rows for 3 ms
     assert s.drafting_pays(16, c)
+    explored = [c.needs_exploration(16) for _ in range(EXPLORE_UNMEASURED_EVERY)]  # one drafted row count: soon
+    assert explored[-1] and c.explored(16) == 2
+    for _ in range(3):
+        c.record_rows(24, 0.022, 16)  # the second exploring step, half the first's draft rows
     explored = [c.needs_exploration(16) for _ in range(PROBE_EVERY)]
-    assert explored.index(True) == PROBE_EVERY - 1  # measured above: the usual period
-    assert [c.needs_exploration(1) for _ in range(PROBE_EVERY)].index(True) == PROBE_EVERY - 1
+    assert explored.index(True) == PROBE_EVERY - 1  # the drafted steps' line is measured: the usual period
+    # at one request one drafted row count is measured (3 rows): its line is not, and it explores soon too
+    assert [c.needs_exploration(1) for _ in range(PROBE_EVERY)].index(True) == EXPLORE_UNMEASURED_EVERY - 1
 
 
 def test_the_heads_stop_where_their_realised_yield_is_below_plain_decodings():
@@ -789,6 +796,7 @@ def test_an_exploring_step_drafts_from_32_requests_on_too():
         drafted = [t for _, t in out if t is not None]
         assert drafted and sum(t.num_nodes for t in drafted) <= room, (n, out)
     assert s.choose([f"y{i}" for i in range(32)], [conf(0.9)] * 32, 0, None) == [(None, None)] * 32  # the cap alone
+    assert s.exploring_budget(32, explored=2) == 16 * smallest and s.exploring_budget(32, explored=3) == 32 * smallest
 
 
 def test_a_drafting_steps_fixed_cost_is_priced_apart_from_its_draft_rows():
@@ -844,6 +852,25 @@ def test_drafted_steps_are_priced_against_the_plain_step_of_their_own_batch_size
         for rows, t in ((36, 0.060), (40, 0.061), (48, 0.062)):  # 16 requests with 20-32 draft rows
             other.record_rows(rows, t, 16)
     assert other._drafted_fit(32, 72, 0.069) is None  # no drafted step of a batch near 32
+
+
+def test_drafting_is_explored_soon_while_the_drafted_steps_line_is_not_measured():
+    """Where drafts pay only by the line through plain and drafted steps together (no drafted steps' line of its
+    own at the batch size), the drafter explores every EXPLORE_UNMEASURED_EVERY steps, and the usual period applies
+    once two drafted row counts 8 apart are measured there."""
+    from vllm_entmtp.step_costs import EXPLORE_UNMEASURED_EVERY, PROBE_EVERY, StepCosts
+
+    c = StepCosts()
+    for _ in range(2):
+        c.record_rows(32, 0.069)
+        c.record_rows(36, 0.088, 32)  # the schedule's few drafts: one drafted row count
+    assert not c.drafted_line_known(32)
+    explored = [c.needs_exploration(32) for _ in range(EXPLORE_UNMEASURED_EVERY)]
+    assert explored == [False] * (EXPLORE_UNMEASURED_EVERY - 1) + [True] and c.explored(32) == 1
+    for _ in range(2):
+        c.record_rows(64, 0.094, 32)  # what the exploring step measured
+    assert c.drafted_line_known(32) and not c.drafted_line_known(16)
+    assert [c.needs_exploration(32) for _ in range(PROBE_EVERY)].index(True) == PROBE_EVERY - 1
 
 
 def test_measured_rule_learns_how_each_requests_drafts_fare():

@@ -410,6 +410,8 @@ class EntMTPProposer(MedusaProposer):
         if not skip and not explore and costs is not None and free and not self.scheduler.drafting_pays(n, costs):
             explore = costs.needs_exploration(n)
             skip = not explore
+        elif not skip and not explore and costs is not None and free and not costs.drafted_line_known(n):
+            explore = costs.needs_exploration(n)  # drafts that pay by a line that spreads a step's fixed cost
         # requests none of whose drafts could pay at this load, by their own acceptance, do not run the heads
         # (exploring steps run them for every request: their acceptance is measured again there)
         floor = None if skip or explore or costs is None or not free else self.scheduler.paying_ratio(n, costs)
@@ -437,7 +439,7 @@ class EntMTPProposer(MedusaProposer):
             # exploring: the schedule's choice under the default cap (at least one small tree), as before the costs
             # were measured
             if explore:
-                budget = self.scheduler.exploring_budget(n)
+                budget = self.scheduler.exploring_budget(n, costs.explored(n))
             # the lookup drafts that win anyway take their nodes first; the heads' trees share what is left
             heads_budget = None if budget is None else max(budget - sum(len(lookups[i]) for i in sure), 0)
             # the confidence pass is spent: only the rest of the drafting is weighed against the drafts, the head

@@ -142,14 +142,18 @@ class LoadRules:
             return None
         return node_budget(batch_size, self.max_verify_tokens_per_step)
 
-    def exploring_budget(self, batch_size: int) -> int:
+    def exploring_budget(self, batch_size: int, explored: int = 1) -> int:
         """Draft nodes a step that drafts to measure drafting again may carry (:meth:`StepCosts.needs_exploration
         <vllm_entmtp.step_costs.StepCosts.needs_exploration>`): the default cap's, and at least the ladder's
         smallest tree for every request, so that the step measures rows up to about twice the batch (from 32
         requests on the cap leaves none; one tree of one node measured a step of 33 rows, beyond which the rows'
-        curve prices a draft row at a plain token's mean, so no draft could pay at 32 requests)."""
+        curve prices a draft row at a plain token's mean, so no draft could pay at 32 requests); every second
+        exploring step of a batch size (``explored``: its count, this one included) half of that, so that the
+        drafted steps' line (:meth:`StepCosts.curve <vllm_entmtp.step_costs.StepCosts.curve>`) has two row
+        counts apart where the schedule drafts nothing else."""
         smallest = min((n for n in self._nodes if n > 0), default=0)
-        return max(node_budget(batch_size, DEFAULT_MAX_VERIFY_TOKENS), smallest * batch_size)
+        every = smallest * batch_size // (2 if explored % 2 == 0 else 1)
+        return max(node_budget(batch_size, DEFAULT_MAX_VERIFY_TOKENS), every, smallest)
 
     # -- measured step costs (load policy "measured") ---------------------------------------------------------
 

@@ -31,7 +31,8 @@ pays, the heads never ran again, so the estimate never changed and the server dr
   costs: kernels built for a new shape, memory first touched); alone, it stands;
 * where drafting does not pay, every :data:`PROBE_EVERY` such steps of a batch size (every
   :data:`EXPLORE_UNMEASURED_EVERY` while no step of more rows than the batch is measured: the extrapolation above
-  prices each draft row there at no less than a plain token, so no draft could pay) the drafter drafts anyway
+  prices each draft row there at no less than a plain token, so no draft could pay; or while the drafted steps'
+  line of :meth:`StepCosts.curve` is not measured there, then in steps where drafts pay too) the drafter drafts anyway
   (:meth:`StepCosts.needs_exploration`, under the default cap of verified rows, or with room for the ladder's
   smallest tree for every request where that is more: a step of about twice the batch's rows), so that the
   drafting time and the draft rows' costs are measured again.
@@ -179,6 +180,7 @@ class StepCosts:
         self._flat: dict[int, deque] = {}  # per batch size: seconds of drafts that ran no head level
         self._since_probe: dict[int, int] = {}
         self._since_draft: dict[int, int] = {}  # steps of a batch size in which no draft paid, since it explored
+        self._explored: dict[int, int] = {}  # exploring steps per batch size
         self._yield: dict[int, deque] = {}  # per batch size: (accepted heads tokens, extra seconds) a heads step
         self._steps: dict[bool, dict[int, deque]] = {True: {}, False: {}}  # drafts verified? -> B -> (tokens, s)
         self._seen: dict[tuple[str, int], int] = {}  # observations so far per (kind, key)
@@ -362,22 +364,36 @@ class StepCosts:
         return True
 
     def needs_exploration(self, batch_size: int) -> bool:
-        """Called on a step of ``batch_size`` requests in which no draft pays: whether to draft anyway, to measure
+        """Called on a step of ``batch_size`` requests in which no draft pays (or, while the drafted steps' line is
+        not measured there, :meth:`drafted_line_known`, in which drafts pay): whether to draft anyway, to measure
         drafting again (every :attr:`probe_every` such steps of that batch size; every
         :data:`EXPLORE_UNMEASURED_EVERY` while no step of more rows than ``batch_size`` is measured, as there the
         rows' curve prices a draft row at no less than a plain token, so that no draft can pay until a step of more
-        rows has been measured). The same holds where drafting rests on a loss inherited from a smaller batch size
-        (:meth:`drafting_loses`): there too the first exploring step comes sooner, and once it has measured a step
-        of more rows the usual period applies. Counts the step."""
+        rows has been measured, or while the drafted steps' line is not). The same holds where drafting rests on a
+        loss inherited from a smaller batch size (:meth:`drafting_loses`): there too the first exploring step comes
+        sooner, and once it has measured a step of more rows the usual period applies. Counts the step."""
         n = self._since_draft.get(batch_size, 0) + 1
-        every = self.probe_every if any(r > batch_size for r in self._rows) else min(EXPLORE_UNMEASURED_EVERY,
-                                                                                      self.probe_every)
+        soon = not any(r > batch_size for r in self._rows) or not self.drafted_line_known(batch_size)
+        every = min(EXPLORE_UNMEASURED_EVERY, self.probe_every) if soon else self.probe_every
         if n < every:
             self._since_draft[batch_size] = n
             return False
         self._since_draft[batch_size] = 0
         self.explorations += 1
+        self._explored[batch_size] = self._explored.get(batch_size, 0) + 1
         return True
+
+    def explored(self, batch_size: int) -> int:
+        """Exploring steps so far at ``batch_size`` requests (:meth:`needs_exploration`)."""
+        return self._explored.get(batch_size, 0)
+
+    def drafted_line_known(self, batch_size: int) -> bool:
+        """Whether the drafted steps' line of :meth:`curve` is measured for ``batch_size`` requests (up to three
+        times their rows). Until it is, a drafted step is priced by the line through plain and drafted steps
+        together, which spreads a drafting step's fixed cost over its draft rows: the drafter then explores as
+        soon as where no step of more rows is measured (:meth:`needs_exploration`; also in steps where a draft
+        pays by that line, as drafting for a few requests is where it misleads most)."""
+        return self._drafted_fit(batch_size, 3 * batch_size + max(2, batch_size // 4), 1.0) is not None
 
     # -- reads ----------------------------------------------------------------------------------------------------
 

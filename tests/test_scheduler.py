@@ -852,12 +852,6 @@ def test_drafted_steps_are_priced_against_the_plain_step_of_their_own_batch_size
         for rows, t in ((36, 0.060), (40, 0.061), (48, 0.062)):  # 16 requests with 20-32 draft rows
             other.record_rows(rows, t, 16)
     assert other._drafted_fit(32, 72, 0.069) is None  # no drafted step of a batch near 32
-    from vllm_entmtp.step_costs import DRAFTED_MAX_AGE
-
-    assert c.drafted_line_known(32)
-    for _ in range(DRAFTED_MAX_AGE + 1):  # the text changes: drafted steps of other text age out
-        c.tick()
-    assert not c.drafted_line_known(32)
 
 
 def test_drafting_is_explored_soon_while_the_drafted_steps_line_is_not_measured():

@@ -99,12 +99,6 @@ FIT_MIN_POINTS = 3
 #: Two row counts of drafted steps this far apart are enough for the drafted steps' line (:meth:`StepCosts.curve`):
 #: an exploring step (a tree for every request) and the rule's own steps of a few draft rows.
 DRAFTED_FIT_SPAN = 8
-#: Drafted steps are kept for the drafted steps' line this many engine steps (:meth:`StepCosts.tick`). Taken over
-#: the plain step, their cost still depends on the text: served at 32 running on the Xeon with AMX (2026-12-04), a
-#: chain of 1 for every request cost 1.27-1.51 plain steps on HumanEval, GSM8K and creative writing and 1.77 on
-#: ShareGPT's long contexts; kept 256 steps, GSM8K's drafted steps priced ShareGPT's (two levels later) at
-#: GSM8K's ratio, and every request drafted for 12 steps at 1.65 plain steps each.
-DRAFTED_MAX_AGE = 128
 #: Decode steps that verified draft tokens, and steps that verified none, that it takes to compare the two at a
 #: batch size (:meth:`StepCosts.drafting_loses`).
 COMPARE_MIN_DRAFTING = 8
@@ -262,10 +256,10 @@ class StepCosts:
             if not obs:
                 del self._rows[r]
                 self._med = None
-        for r in [r for r, obs in self._drafted_rows.items() if not obs or self._clock - obs[-1][1] > DRAFTED_MAX_AGE]:
+        for r in [r for r, obs in self._drafted_rows.items() if not obs or self._clock - obs[-1][1] > ROWS_MAX_AGE]:
             del self._drafted_rows[r]
         for obs in self._drafted_rows.values():
-            while self._clock - obs[0][1] > DRAFTED_MAX_AGE:
+            while self._clock - obs[0][1] > ROWS_MAX_AGE:
                 obs.popleft()
         for table, age in ((self._yield, YIELD_MAX_AGE), (self._steps[True], STEP_RATE_MAX_AGE),
                            (self._steps[False], STEP_RATE_MAX_AGE)):

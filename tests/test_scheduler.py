@@ -616,11 +616,11 @@ def test_drafting_is_measured_again_where_it_does_not_pay():
 
     s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
     c = StepCosts()
-    for rows, t in ((1, 0.025), (3, 0.026), (4, 0.0265), (5, 0.027)):  # a plain step, and drafted ones
+    for rows, t in ((1, 0.025), (5, 0.027)):
         for _ in range(3):
-            c.record_rows(rows, t, 1 if rows > 1 else None)
+            c.record_rows(rows, t)
     c.record_draft(1, 0.237)
-    assert not s.drafting_pays(1, c) and c.drafted_line_known(1)
+    assert not s.drafting_pays(1, c)
     explored = [c.needs_exploration(1) for _ in range(2 * PROBE_EVERY)]
     assert explored.count(True) == 2 and explored.index(True) == PROBE_EVERY - 1
     assert not c.needs_exploration(4) and c.summary()["explorations"] == 2  # counted per batch size
@@ -631,9 +631,7 @@ def test_drafting_is_measured_again_where_it_does_not_pay():
 def test_drafting_is_explored_sooner_where_no_step_of_more_rows_is_measured():
     """A batch size larger than any drafted step so far: its draft rows are extrapolated at a plain token's cost
     each, so no draft pays there until a drafted step of more rows is measured. The drafter explores every
-    EXPLORE_UNMEASURED_EVERY steps until then and until the drafted steps' own line is measured there (two drafted
-    row counts 8 apart: the second exploring step drafts half the first's rows), and every PROBE_EVERY steps
-    after."""
+    EXPLORE_UNMEASURED_EVERY steps until then, and every PROBE_EVERY steps after."""
     from vllm_entmtp.step_costs import EXPLORE_UNMEASURED_EVERY, PROBE_EVERY, StepCosts
 
     assert EXPLORE_UNMEASURED_EVERY < PROBE_EVERY
@@ -641,22 +639,17 @@ def test_drafting_is_explored_sooner_where_no_step_of_more_rows_is_measured():
     c = StepCosts()
     for rows, t in ((1, 0.012), (3, 0.014), (16, 0.020)):  # a warm-up at one request, a probe at sixteen
         for _ in range(3):
-            c.record_rows(rows, t, 1 if rows == 3 else None)
+            c.record_rows(rows, t)
     c.record_draft(16, 0.0015)
     assert not s.drafting_pays(16, c)  # 17+ rows: 20 ms / 16 rows = 1.25 ms a draft row, a plain token's cost
     explored = [c.needs_exploration(16) for _ in range(EXPLORE_UNMEASURED_EVERY)]
     assert explored == [False] * (EXPLORE_UNMEASURED_EVERY - 1) + [True]
     for _ in range(3):
-        c.record_rows(32, 0.023, 16)  # what the exploring step measured: 16 draft rows for 3 ms
+        c.record_rows(24, 0.022)  # what the exploring step measured: 8 draft rows for 2 ms
     assert s.drafting_pays(16, c)
-    explored = [c.needs_exploration(16) for _ in range(EXPLORE_UNMEASURED_EVERY)]  # one drafted row count: soon
-    assert explored[-1] and c.explored(16) == 2
-    for _ in range(3):
-        c.record_rows(24, 0.022, 16)  # the second exploring step, half the first's draft rows
     explored = [c.needs_exploration(16) for _ in range(PROBE_EVERY)]
-    assert explored.index(True) == PROBE_EVERY - 1  # the drafted steps' line is measured: the usual period
-    # at one request one drafted row count is measured (3 rows): its line is not, and it explores soon too
-    assert [c.needs_exploration(1) for _ in range(PROBE_EVERY)].index(True) == EXPLORE_UNMEASURED_EVERY - 1
+    assert explored.index(True) == PROBE_EVERY - 1  # measured above: the usual period
+    assert [c.needs_exploration(1) for _ in range(PROBE_EVERY)].index(True) == PROBE_EVERY - 1
 
 
 def test_the_heads_stop_where_their_realised_yield_is_below_plain_decodings():
@@ -795,6 +788,8 @@ def test_an_exploring_step_drafts_from_32_requests_on_too():
         out = s.choose(rids, [conf(0.9)] * n, s.exploring_budget(n), None)
         drafted = [t for _, t in out if t is not None]
         assert drafted and sum(t.num_nodes for t in drafted) <= room, (n, out)
+        if n >= 32:  # every request confident: the room is filled, a tree for each
+            assert sum(t.num_nodes for t in drafted) == room and len(drafted) == n, (n, out)
     assert s.choose([f"y{i}" for i in range(32)], [conf(0.9)] * 32, 0, None) == [(None, None)] * 32  # the cap alone
     assert s.exploring_budget(32, explored=2) == 16 * smallest and s.exploring_budget(32, explored=3) == 32 * smallest
 
@@ -814,9 +809,11 @@ def test_a_drafting_steps_fixed_cost_is_priced_apart_from_its_draft_rows():
         for rows, t in times.items():
             split.record_rows(rows, t, 32 if rows > 32 else None)
             mixed.record_rows(rows, t)
+        split.record_rows(40, 0.074)  # a plain step of 40 requests: not a drafted step of 32
     curve = split.curve(32, 32)
     assert curve[0] == pytest.approx(0.069)
     assert curve[4] == pytest.approx(0.088, abs=1e-3) and curve[32] == pytest.approx(0.094, abs=1e-3)
+    assert split.curve(32, 4) == pytest.approx(curve[:5])  # the same prices whatever the reach asked
     assert mixed.curve(32, 32)[0] > 0.075  # the line through both kinds of step
     s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
     rids = [f"r{i}" for i in range(32)]
@@ -851,7 +848,16 @@ def test_drafted_steps_are_priced_against_the_plain_step_of_their_own_batch_size
         other.record_rows(32, 0.069)
         for rows, t in ((36, 0.060), (40, 0.061), (48, 0.062)):  # 16 requests with 20-32 draft rows
             other.record_rows(rows, t, 16)
-    assert other._drafted_fit(32, 72, 0.069) is None  # no drafted step of a batch near 32
+    assert not other.drafted_line_known(32) and other.drafted_line_known(16)  # no drafted step of a batch near 32
+    # the plain step a drafted step is taken over is a step without draft rows: 32 rows of 16 requests and their
+    # 16 draft rows are not a plain step of 32 rows, so a drafted step of 32 requests is not kept against them
+    lone = StepCosts()
+    for _ in range(3):
+        lone.record_rows(16, 0.050)
+        lone.record_rows(32, 0.060, 16)
+        lone.record_rows(64, 0.094, 32)
+    assert lone.plain_time(16) == pytest.approx(0.050) and lone.plain_time(32) is None
+    assert lone._drafted_points(32) == []
 
 
 def test_drafting_is_explored_soon_while_the_drafted_steps_line_is_not_measured():
@@ -865,12 +871,14 @@ def test_drafting_is_explored_soon_while_the_drafted_steps_line_is_not_measured(
         c.record_rows(32, 0.069)
         c.record_rows(36, 0.088, 32)  # the schedule's few drafts: one drafted row count
     assert not c.drafted_line_known(32)
-    explored = [c.needs_exploration(32) for _ in range(EXPLORE_UNMEASURED_EVERY)]
+    explored = [c.needs_exploration(32, unmeasured_line=True) for _ in range(EXPLORE_UNMEASURED_EVERY)]
     assert explored == [False] * (EXPLORE_UNMEASURED_EVERY - 1) + [True] and c.explored(32) == 1
     for _ in range(2):
         c.record_rows(64, 0.094, 32)  # what the exploring step measured
     assert c.drafted_line_known(32) and not c.drafted_line_known(16)
     assert [c.needs_exploration(32) for _ in range(PROBE_EVERY)].index(True) == PROBE_EVERY - 1
+    # where no draft pays (resting), the usual period holds with or without the drafted steps' line
+    assert [c.needs_exploration(24) for _ in range(PROBE_EVERY)].index(True) == PROBE_EVERY - 1
 
 
 def test_measured_rule_learns_how_each_requests_drafts_fare():

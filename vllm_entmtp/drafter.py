@@ -379,7 +379,10 @@ class EntMTPProposer(MedusaProposer):
         drafts nothing and runs no head (unless a request holds itself to a tree; and every
         :data:`~vllm_entmtp.step_costs.PROBE_EVERY` steps that do not pay, or every
         :data:`~vllm_entmtp.step_costs.EXPLORE_UNMEASURED_EVERY` while no step of more rows than the batch is
-        measured, drafting is measured again: the schedule drafts under the default cap). With prompt lookup
+        measured, drafting is measured again: the schedule drafts under the exploring budget,
+        :meth:`~vllm_entmtp.load_rules.LoadRules.exploring_budget`; every
+        :data:`~vllm_entmtp.step_costs.EXPLORE_UNMEASURED_EVERY` steps too where drafts pay by the line through
+        plain and drafted steps while the drafted steps' own line is not measured). With prompt lookup
         (``draft_sources``), each request's lookup chain is weighed against the heads' draft
         (:meth:`~vllm_entmtp.scheduler.TreeScheduler.fit_lookup`); when every drafting request's lookup draft
         beats what the heads could expect, the heads do not run."""
@@ -411,7 +414,8 @@ class EntMTPProposer(MedusaProposer):
             explore = costs.needs_exploration(n)
             skip = not explore
         elif not skip and not explore and costs is not None and free and not costs.drafted_line_known(n):
-            explore = costs.needs_exploration(n)  # drafts that pay by a line that spreads a step's fixed cost
+            # drafts that pay by the line through plain and drafted steps, which spreads a step's fixed cost
+            explore = costs.needs_exploration(n, unmeasured_line=True)
         # requests none of whose drafts could pay at this load, by their own acceptance, do not run the heads
         # (exploring steps run them for every request: their acceptance is measured again there)
         floor = None if skip or explore or costs is None or not free else self.scheduler.paying_ratio(n, costs)
@@ -436,8 +440,8 @@ class EntMTPProposer(MedusaProposer):
             drafts = [[] for _ in req_ids]
         else:
             signals = self.tracker.signals_batch(req_ids)
-            # exploring: the schedule's choice under the default cap (at least one small tree), as before the costs
-            # were measured
+            # exploring: the schedule's choice under the exploring budget (the default cap's room, or the ladder's
+            # smallest tree for every request), as before the costs were measured
             if explore:
                 budget = self.scheduler.exploring_budget(n, costs.explored(n))
             # the lookup drafts that win anyway take their nodes first; the heads' trees share what is left

@@ -148,9 +148,10 @@ class LoadRules:
         smallest tree for every request, so that the step measures rows up to about twice the batch (from 32
         requests on the cap leaves none; one tree of one node measured a step of 33 rows, beyond which the rows'
         curve prices a draft row at a plain token's mean, so no draft could pay at 32 requests); every second
-        exploring step of a batch size (``explored``: its count, this one included) half of that, so that the
-        drafted steps' line (:meth:`StepCosts.curve <vllm_entmtp.step_costs.StepCosts.curve>`) has two row
-        counts apart where the schedule drafts nothing else."""
+        exploring step of a batch size (``explored``: its count, this one included) half of that (where it is
+        more than the cap's room: from about 22 requests on), so that the drafted steps' line
+        (:meth:`StepCosts.curve <vllm_entmtp.step_costs.StepCosts.curve>`) has two draft-row counts apart where
+        the schedule drafts nothing else."""
         smallest = min((n for n in self._nodes if n > 0), default=0)
         every = smallest * batch_size // (2 if explored % 2 == 0 else 1)
         return max(node_budget(batch_size, DEFAULT_MAX_VERIFY_TOKENS), every, smallest)

@@ -32,7 +32,7 @@ pays, the heads never ran again, so the estimate never changed and the server dr
 * where drafting does not pay, every :data:`PROBE_EVERY` such steps of a batch size (every
   :data:`EXPLORE_UNMEASURED_EVERY` while no step of more rows than the batch is measured: the extrapolation above
   prices each draft row there at no less than a plain token, so no draft could pay; or while the drafted steps'
-  line of :meth:`StepCosts.curve` is not measured there, then in steps where drafts pay too) the drafter drafts anyway
+  line of :meth:`StepCosts.curve` is not measured there, in steps where drafts pay) the drafter drafts anyway
   (:meth:`StepCosts.needs_exploration`, under the default cap of verified rows, or with room for the ladder's
   smallest tree for every request where that is more: a step of about twice the batch's rows), so that the
   drafting time and the draft rows' costs are measured again.
@@ -172,8 +172,10 @@ class StepCosts:
         self.window = window
         self.probe_every = probe_every
         self._rows: dict[int, deque] = {}  # row count -> (seconds, clock) observations
-        # row count -> (seconds over the plain step of its batch size, clock, batch size) of the drafted steps
+        self._plain_rows: dict[int, deque] = {}  # row count -> (seconds, clock) of the steps without draft rows
+        # draft rows -> (seconds over the plain step of its batch size then, clock, batch size) of drafted steps
         self._drafted_rows: dict[int, deque] = {}
+        self._drafted_pts: dict[int, list] = {}  # batch size -> _drafted_points, until the drafted steps change
         self._rows_order: deque = deque()  # (clock, row count) of every row observation, oldest first (aging)
         self._draft: dict[int, deque] = {}
         self._levels: dict[int, deque] = {}  # per batch size: (head levels run beyond the confidence pass, seconds)
@@ -195,16 +197,21 @@ class StepCosts:
     def record_rows(self, rows: int, seconds: float, batch_size: int | None = None) -> None:
         """A decode step (no prompt tokens) that verified ``rows`` rows (one root per request plus its draft
         tokens) took ``seconds`` in its row-bound part. ``batch_size``: its requests, where some of its rows were
-        draft tokens (fewer than ``rows``); such a step is also kept apart, as its time over the plain step of
-        its batch size as now measured, for the drafted steps' line of :meth:`curve`."""
+        draft tokens (fewer than ``rows``); such a step is also kept apart by its draft rows, as its time over the
+        plain step of its batch size as now measured (:meth:`plain_time`; not kept where that is not measured),
+        for the drafted steps' line of :meth:`curve`; a step without draft rows is kept apart as a plain one."""
         if rows >= 1 and seconds > 0:
             self._add(self._rows, "rows", rows, (seconds, self._clock))
             self._rows_order.append((self._clock, rows))
             self._med = None
-            if batch_size is not None and 1 <= batch_size < rows:
-                plain = self._pointwise(batch_size, 0)
-                if plain is not None and plain[0] > 0:
-                    self._add(self._drafted_rows, "drafted-rows", rows, (seconds / plain[0], self._clock, batch_size))
+            if batch_size is None or batch_size >= rows:
+                self._add(self._plain_rows, "plain-rows", rows, (seconds, self._clock))
+            elif batch_size >= 1:
+                plain = self.plain_time(batch_size)
+                if plain is not None:
+                    self._add(self._drafted_rows, "drafted-rows", rows - batch_size,
+                              (seconds / plain, self._clock, batch_size))
+                    self._drafted_pts = {}
 
     def record_draft(self, batch_size: int, seconds: float) -> None:
         """Drafting from the heads for ``batch_size`` requests up to the schedule's choice (their confidence pass
@@ -256,11 +263,14 @@ class StepCosts:
             if not obs:
                 del self._rows[r]
                 self._med = None
-        for r in [r for r, obs in self._drafted_rows.items() if not obs or self._clock - obs[-1][1] > ROWS_MAX_AGE]:
-            del self._drafted_rows[r]
-        for obs in self._drafted_rows.values():
-            while self._clock - obs[0][1] > ROWS_MAX_AGE:
-                obs.popleft()
+        for table in (self._plain_rows, self._drafted_rows):
+            for r in [r for r, obs in table.items() if not obs or self._clock - obs[-1][1] > ROWS_MAX_AGE]:
+                del table[r]
+                self._drafted_pts = {}
+            for obs in table.values():
+                while self._clock - obs[0][1] > ROWS_MAX_AGE:
+                    obs.popleft()
+                    self._drafted_pts = {}
         for table, age in ((self._yield, YIELD_MAX_AGE), (self._steps[True], STEP_RATE_MAX_AGE),
                            (self._steps[False], STEP_RATE_MAX_AGE)):
             for obs in table.values():
@@ -363,17 +373,18 @@ class StepCosts:
         self.probes += 1
         return True
 
-    def needs_exploration(self, batch_size: int) -> bool:
-        """Called on a step of ``batch_size`` requests in which no draft pays (or, while the drafted steps' line is
-        not measured there, :meth:`drafted_line_known`, in which drafts pay): whether to draft anyway, to measure
-        drafting again (every :attr:`probe_every` such steps of that batch size; every
-        :data:`EXPLORE_UNMEASURED_EVERY` while no step of more rows than ``batch_size`` is measured, as there the
-        rows' curve prices a draft row at no less than a plain token, so that no draft can pay until a step of more
-        rows has been measured, or while the drafted steps' line is not). The same holds where drafting rests on a
+    def needs_exploration(self, batch_size: int, unmeasured_line: bool = False) -> bool:
+        """Called on a step of ``batch_size`` requests in which no draft pays, or (``unmeasured_line``) in which
+        drafts pay by the line through plain and drafted steps together while the drafted steps' own line is not
+        measured there (:meth:`drafted_line_known`): whether to draft anyway, to measure drafting again (every
+        :attr:`probe_every` such steps of that batch size; every :data:`EXPLORE_UNMEASURED_EVERY` while no step of
+        more rows than ``batch_size`` is measured, as there the rows' curve prices a draft row at no less than a
+        plain token, so that no draft can pay until a step of more rows has been measured, and with
+        ``unmeasured_line``). The same holds where drafting rests on a
         loss inherited from a smaller batch size (:meth:`drafting_loses`): there too the first exploring step comes
         sooner, and once it has measured a step of more rows the usual period applies. Counts the step."""
         n = self._since_draft.get(batch_size, 0) + 1
-        soon = not any(r > batch_size for r in self._rows) or not self.drafted_line_known(batch_size)
+        soon = not any(r > batch_size for r in self._rows) or unmeasured_line
         every = min(EXPLORE_UNMEASURED_EVERY, self.probe_every) if soon else self.probe_every
         if n < every:
             self._since_draft[batch_size] = n
@@ -393,7 +404,7 @@ class StepCosts:
         together, which spreads a drafting step's fixed cost over its draft rows: the drafter then explores as
         soon as where no step of more rows is measured (:meth:`needs_exploration`; also in steps where a draft
         pays by that line, as drafting for a few requests is where it misleads most)."""
-        return self._drafted_fit(batch_size, 3 * batch_size + max(2, batch_size // 4), 1.0) is not None
+        return self._drafted_fit(batch_size, 1.0) is not None
 
     # -- reads ----------------------------------------------------------------------------------------------------
 
@@ -426,11 +437,12 @@ class StepCosts:
         :meth:`rows_time` point by point: the median, else interpolated between the nearest measured row
         counts, beyond the largest extrapolated no less steeply than the mean time per row.
 
-        Where :data:`FIT_MIN_POINTS` row counts of steps that verified draft tokens are measured above ``rows``
-        (within the same reach; or two, :data:`DRAFTED_FIT_SPAN` rows or more apart), the curve is the plain
-        step's time at ``rows`` (as above) and, with any draft row, the line through those drafted steps'
-        medians (:meth:`_drafted_fit`: of batch sizes near ``rows``, each scaled by the plain step now over the
-        plain step when it was measured), never under the plain step: a step that drafts pays a cost that a line
+        Where the plain step of ``rows`` rows is measured (:meth:`plain_time`: steps without draft rows) and
+        :data:`FIT_MIN_POINTS` draft-row counts of drafted steps of batch sizes near ``rows`` (or two,
+        :data:`DRAFTED_FIT_SPAN` or more apart; up to three times ``rows`` draft rows, whatever ``extra``), the
+        curve is that plain step and, with any draft row, the line through those drafted steps' medians by their
+        draft rows (:meth:`_drafted_fit`: each as its time over the plain step of its batch size when it ran,
+        scaled by the plain step now), never under the plain step: a step that drafts pays a cost that a line
         through plain and drafted steps together spreads over the draft rows. Served at 32
         running on a 2-core Xeon with AMX (2026-12-04, bfloat16, GSM8K, one engine core): a plain step of 32
         rows took 69-70 ms, a step that verified 4 draft rows 88 ms, one that verified 32 (a chain of 1 for every
@@ -440,18 +452,19 @@ class StepCosts:
         and from any batch size, the same server's drafted steps of GSM8K at 32 running (64 rows in 100 ms)
         priced ShareGPT's next (long contexts: a plain step of 32 rows took 106 ms) as free, and every request
         drafted (143 ms a step) until the realised comparison stopped the drafts; and 40 rows of 16 requests
-        are not 40 rows of 32 requests."""
+        are not 40 rows of 32 requests (24 draft rows against 8)."""
         pointwise = self._pointwise(rows, extra)
         if pointwise is None or extra == 0:
             return pointwise
         margin = max(2, rows // 4)
         largest = max(self._rows)
-        base = pointwise[0]
-        drafted = self._drafted_fit(rows, rows + extra + margin, base) if base > 0 else None
+        plain = self.plain_time(rows)
+        drafted = self._drafted_fit(rows, plain) if plain is not None else None
         if drafted is not None:  # a step that drafts: the drafted steps' line, never under the plain step
             a, slope = drafted
-            return [base] + [max(a + slope * r, base, p) if r > largest else max(a + slope * r, base)
-                             for r, p in zip(range(rows + 1, rows + extra + 1), pointwise[1:])]
+            return [plain] + [max(a + slope * (r - rows), plain, p) if r > largest else max(a + slope * (r - rows),
+                                                                                                 plain)
+                              for r, p in zip(range(rows + 1, rows + extra + 1), pointwise[1:])]
         fit = self._local_fit(rows - margin, rows + extra + margin)
         if fit is None:
             return pointwise
@@ -466,23 +479,50 @@ class StepCosts:
         pts = [(r, t, len(self._rows[r])) for r, t in med.items() if lo <= r <= hi]
         return _line(pts) if len(pts) >= FIT_MIN_POINTS else None
 
-    def _drafted_fit(self, batch_size: int, hi: int, plain: float) -> tuple[float, float] | None:
-        """The line of :func:`_line` through the drafted steps of ``batch_size + 1 .. hi`` rows, each taken as its
-        time over the plain step of its batch size when it was measured, times ``plain`` (the plain step of
-        ``batch_size`` rows now: the costs of both grow with the contexts running), from batch sizes no further
-        than ``max(2, batch_size // 4)`` (the same rows split into more draft rows cost more); None with fewer
-        than :data:`FIT_MIN_POINTS` row counts (or two :data:`DRAFTED_FIT_SPAN` rows apart)."""
+    def plain_time(self, batch_size: int) -> float | None:
+        """The plain step of ``batch_size`` rows (no draft rows): the median of the steps without draft rows of that
+        many rows, else interpolated between the nearest measured row counts no further than
+        ``max(2, batch_size // 4)`` on both sides; None without (seconds)."""
+        obs = self._plain_rows.get(batch_size)
+        if obs:
+            return statistics.median(o[0] for o in obs)
         reach = max(2, batch_size // 4)
-        pts = []
-        for r, obs in self._drafted_rows.items():
-            if batch_size < r <= hi:
-                near = [o[0] for o in obs if abs(o[2] - batch_size) <= reach]
-                if near:
-                    pts.append((r, plain * statistics.median(near), len(near)))
+        lo = max((r for r in self._plain_rows if batch_size - reach <= r < batch_size), default=None)
+        hi = min((r for r in self._plain_rows if batch_size < r <= batch_size + reach), default=None)
+        if lo is None or hi is None:
+            return None
+        t_lo = statistics.median(o[0] for o in self._plain_rows[lo])
+        t_hi = statistics.median(o[0] for o in self._plain_rows[hi])
+        return t_lo + (t_hi - t_lo) * (batch_size - lo) / (hi - lo)
+
+    def _drafted_points(self, batch_size: int) -> list[tuple[int, float, int]]:
+        """``(draft rows, median time over the plain step, observations)`` of the drafted steps of batch sizes no
+        further than ``max(2, batch_size // 4)``, up to three times ``batch_size`` draft rows (cached until the
+        drafted steps change)."""
+        pts = self._drafted_pts.get(batch_size)
+        if pts is None:
+            reach = max(2, batch_size // 4)
+            pts = []
+            for d, obs in self._drafted_rows.items():
+                if d <= 3 * batch_size + reach:
+                    near = [o[0] for o in obs if abs(o[2] - batch_size) <= reach]
+                    if near:
+                        pts.append((d, statistics.median(near), len(near)))
+            self._drafted_pts[batch_size] = pts
+        return pts
+
+    def _drafted_fit(self, batch_size: int, plain: float) -> tuple[float, float] | None:
+        """``(intercept, slope)`` in seconds of a step of ``batch_size`` requests by its draft rows: the line of
+        :func:`_line` through :meth:`_drafted_points`, each taken as its time over the plain step of its batch
+        size when it was measured, times ``plain`` (the plain step of ``batch_size`` rows now: the costs of both
+        grow with the contexts running); None with fewer than :data:`FIT_MIN_POINTS` draft row counts (or two
+        :data:`DRAFTED_FIT_SPAN` apart)."""
+        pts = self._drafted_points(batch_size)
         if len(pts) < FIT_MIN_POINTS and not (
                 len(pts) >= 2 and max(p[0] for p in pts) - min(p[0] for p in pts) >= DRAFTED_FIT_SPAN):
             return None
-        return _line(pts)
+        a, slope = _line(pts)
+        return a * plain, slope * plain
 
     def _pointwise(self, rows: int, extra: int) -> list[float] | None:
         med = self._medians()

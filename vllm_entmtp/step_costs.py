@@ -96,8 +96,9 @@ PROBE_EVERY = 64
 EXPLORE_UNMEASURED_EVERY = 8
 #: Measured row counts it takes to fit a line to the step time near a batch (:meth:`StepCosts.curve`).
 FIT_MIN_POINTS = 3
-#: Two row counts of drafted steps this far apart are enough for the drafted steps' line (:meth:`StepCosts.curve`):
-#: an exploring step (a tree for every request) and the rule's own steps of a few draft rows.
+#: Two draft-row counts of drafted steps this far apart are enough for the drafted steps' line
+#: (:meth:`StepCosts.curve`): an exploring step (a tree for every request) and the rule's own steps of a few draft
+#: rows.
 DRAFTED_FIT_SPAN = 8
 #: Decode steps that verified draft tokens, and steps that verified none, that it takes to compare the two at a
 #: batch size (:meth:`StepCosts.drafting_loses`).
@@ -402,8 +403,8 @@ class StepCosts:
         """Whether the drafted steps' line of :meth:`curve` is measured for ``batch_size`` requests (up to three
         times their rows). Until it is, a drafted step is priced by the line through plain and drafted steps
         together, which spreads a drafting step's fixed cost over its draft rows: the drafter then explores as
-        soon as where no step of more rows is measured (:meth:`needs_exploration`; also in steps where a draft
-        pays by that line, as drafting for a few requests is where it misleads most)."""
+        often as where no step of more rows is measured (:meth:`needs_exploration` with ``unmeasured_line``, in
+        steps where a draft pays by that line, as drafting for a few requests is where it misleads most)."""
         return self._drafted_fit(batch_size, 1.0) is not None
 
     # -- reads ----------------------------------------------------------------------------------------------------

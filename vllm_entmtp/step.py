@@ -267,7 +267,7 @@ def verify(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output, e
             STEP.signals = (None, None)
     if STEP.decode_rows and runner.drafter.step_costs is not None:
         runner.drafter.step_costs.record_rows(STEP.decode_rows, time.perf_counter() - STEP.rows_clock,
-                                              STEP.decode_batch if STEP.decode_batch < STEP.decode_rows else None)
+                                              STEP.decode_batch)
 
 
 def _walk(tr: TreeRows, rows: torch.Tensor, sp, generator) -> tuple[list[int], int]:

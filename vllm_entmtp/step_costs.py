@@ -197,8 +197,8 @@ class StepCosts:
 
     def record_rows(self, rows: int, seconds: float, batch_size: int | None = None) -> None:
         """A decode step (no prompt tokens) that verified ``rows`` rows (one root per request plus its draft
-        tokens) took ``seconds`` in its row-bound part. ``batch_size``: its requests, where some of its rows were
-        draft tokens (fewer than ``rows``); such a step is also kept apart by its draft rows, as its time over the
+        tokens) took ``seconds`` in its row-bound part. ``batch_size``: its requests (None, or ``rows``: no draft
+        rows); where some of its rows were draft tokens (fewer requests than ``rows``), the step is also kept apart by its draft rows, as its time over the
         plain step of its batch size as now measured (:meth:`plain_time`; not kept where that is not measured),
         for the drafted steps' line of :meth:`curve`; a step without draft rows is kept apart as a plain one."""
         if rows >= 1 and seconds > 0:
@@ -265,13 +265,16 @@ class StepCosts:
                 del self._rows[r]
                 self._med = None
         for table in (self._plain_rows, self._drafted_rows):
+            aged = False
             for r in [r for r, obs in table.items() if not obs or self._clock - obs[-1][1] > ROWS_MAX_AGE]:
                 del table[r]
-                self._drafted_pts = {}
+                aged = True
             for obs in table.values():
                 while self._clock - obs[0][1] > ROWS_MAX_AGE:
                     obs.popleft()
-                    self._drafted_pts = {}
+                    aged = True
+            if aged and table is self._drafted_rows:  # the cached points read the drafted steps only
+                self._drafted_pts = {}
         for table, age in ((self._yield, YIELD_MAX_AGE), (self._steps[True], STEP_RATE_MAX_AGE),
                            (self._steps[False], STEP_RATE_MAX_AGE)):
             for obs in table.values():
@@ -463,9 +466,11 @@ class StepCosts:
         drafted = self._drafted_fit(rows, plain) if plain is not None else None
         if drafted is not None:  # a step that drafts: the drafted steps' line, never under the plain step
             a, slope = drafted
-            return [plain] + [max(a + slope * (r - rows), plain, p) if r > largest else max(a + slope * (r - rows),
-                                                                                                 plain)
-                              for r, p in zip(range(rows + 1, rows + extra + 1), pointwise[1:])]
+            out = [plain]
+            for d, p in enumerate(pointwise[1:], start=1):
+                t = max(a + slope * d, plain)  # d draft rows
+                out.append(max(t, p) if rows + d > largest else t)
+            return out
         fit = self._local_fit(rows - margin, rows + extra + margin)
         if fit is None:
             return pointwise

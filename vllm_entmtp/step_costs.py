@@ -198,9 +198,10 @@ class StepCosts:
     def record_rows(self, rows: int, seconds: float, batch_size: int | None = None) -> None:
         """A decode step (no prompt tokens) that verified ``rows`` rows (one root per request plus its draft
         tokens) took ``seconds`` in its row-bound part. ``batch_size``: its requests (None, or ``rows``: no draft
-        rows); where some of its rows were draft tokens (fewer requests than ``rows``), the step is also kept apart by its draft rows, as its time over the
-        plain step of its batch size as now measured (:meth:`plain_time`; not kept where that is not measured),
-        for the drafted steps' line of :meth:`curve`; a step without draft rows is kept apart as a plain one."""
+        rows); where some of its rows were draft tokens (fewer requests than ``rows``), the step is also kept
+        apart by its draft rows, as its time over the plain step of its batch size as now measured
+        (:meth:`plain_time`; not kept where that is not measured), for the drafted steps' line of :meth:`curve`;
+        a step without draft rows is kept apart as a plain one."""
         if rows >= 1 and seconds > 0:
             self._add(self._rows, "rows", rows, (seconds, self._clock))
             self._rows_order.append((self._clock, rows))

@@ -684,6 +684,36 @@ def test_the_heads_stop_where_their_realised_yield_is_below_plain_decodings():
     assert s.drafting_pays(16, c)
 
 
+def test_the_realised_comparison_overrules_the_heads_yield_and_exploring_steps_do_not_enter_it():
+    """The heads' yield prices their rows by the step-cost curve; the realised comparison measures what drafted and
+    plain steps emitted. Where the latter has drafted steps ahead at this batch size, a low yield does not stop the
+    heads; where it has them behind, drafting rests (drafting_loses) whatever the yield. An exploring step's yield
+    (a tree for every request, to measure costs) is not the rule's own drafting and is not kept."""
+    from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, COMPARE_MIN_PLAIN, YIELD_MIN_STEPS, StepCosts
+
+    s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
+    c = StepCosts()
+    for rows, t in ((1, 0.025), (5, 0.0255), (16, 0.030), (32, 0.0305), (80, 0.060)):
+        for _ in range(3):
+            c.record_rows(rows, t)
+    c.record_draft(16, 0.002)
+    for _ in range(YIELD_MIN_STEPS + 1):
+        c.record_heads_yield(16, 1, 0.005)  # 200 tokens/s against the plain step's 533
+    assert c.heads_yield(16) == pytest.approx(200.0) and not s.drafting_pays(16, c)
+    for _ in range(YIELD_MIN_STEPS + 1):  # exploring steps that fared better do not lift it, nor worse sink it
+        c.record_heads_yield(16, 8, 0.005, exploring=True)
+        c.record_heads_yield(18, 0, 0.005, exploring=True)
+    assert c.heads_yield(16) == pytest.approx(200.0) and c.summary()["heads_yield"] == {16: 200.0}
+    for _ in range(COMPARE_MIN_PLAIN + 1):
+        c.record_step(16, 16, 0.030, drafted=False)  # 533 tokens/s
+    for _ in range(COMPARE_MIN_DRAFTING + 1):
+        c.record_step(15, 21, 0.034, drafted=True)  # 618 tokens/s at 15 requests (within a quarter of 16)
+    assert not c.drafting_loses(16) and s.drafting_pays(16, c)
+    for _ in range(16):
+        c.record_step(16, 17, 0.036, drafted=True)  # 472 tokens/s: the drafted steps fall behind
+    assert c.drafting_loses(16) and not s.drafting_pays(16, c)
+
+
 def test_a_low_heads_yield_ages_out_and_the_heads_are_judged_again():
     """A yield measured low stops the heads at that batch size only while YIELD_MIN_STEPS of its observations are
     among the last YIELD_MAX_AGE drafter steps (tick): then the calibration decides again (the heads run), and

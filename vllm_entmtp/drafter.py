@@ -82,7 +82,9 @@ class EntMTPProposer(MedusaProposer):
     _draft_fell_back = False  # this step's drafts were made request by request after the batch's call failed
     _proposed_free = True  # the last drafts proposed: no request of that step was held to a tree
     _heads_nodes: tuple[int, int] | None = None  # this step: the heads' draft nodes, and all draft nodes
-    _heads_step: tuple[int, float] | None = None  # last step that ran the heads: (batch size, seconds they added)
+    _heads_exploring = False  # this step's drafts explore (StepCosts.needs_exploration): not the rule's own choice
+    # last step that ran the heads: (batch size, seconds they added, whether it explored)
+    _heads_step: tuple[int, float, bool] | None = None
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         spec = self.spec_config
@@ -476,6 +478,7 @@ class EntMTPProposer(MedusaProposer):
         if lookups:
             chosen, drafts = self._weigh_lookup(req_ids, lookups, sure, chosen, drafts, costs, budget)
         # the heads' yield is kept for steps the load rule judges (not those with a request held to a tree)
+        self._heads_exploring = explore
         self._heads_nodes = None if skip or not free else (
             sum(len(d) for (t, _), d in zip(chosen, drafts) if d and t != LOOKUP_ID), sum(len(d) for d in drafts))
         return chosen, drafts
@@ -524,8 +527,8 @@ class EntMTPProposer(MedusaProposer):
                 if prev[3] is not None:  # the measured load rule learns how this request's drafts fare
                     self.scheduler.observe_acceptance(rid, prev[3], acc)
         if self._heads_step is not None and self.step_costs is not None and accepted is not None:
-            batch_size, added = self._heads_step
-            self.step_costs.record_heads_yield(batch_size, heads_accepted, added)
+            batch_size, added, exploring = self._heads_step
+            self.step_costs.record_heads_yield(batch_size, heads_accepted, added, exploring=exploring)
         self._heads_step = None
 
     def _lookup_drafts(self, req_ids, budgets, active, forced) -> dict[int, list[int]]:
@@ -609,9 +612,9 @@ class EntMTPProposer(MedusaProposer):
                 if rows is not None:
                     added = seconds + max(rows[-1] - rows[0], 0.0)
                     if heads:
-                        self._heads_step = (n, added)
+                        self._heads_step = (n, added, self._heads_exploring)
                     else:
-                        costs.record_heads_yield(n, 0, added)
+                        costs.record_heads_yield(n, 0, added, exploring=self._heads_exploring)
         return drafts
 
     def free_missing(self, live_req_ids) -> None:

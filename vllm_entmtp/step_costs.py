@@ -232,11 +232,15 @@ class StepCosts:
         elif batch_size >= 1 and levels == 0 and seconds > 0:
             self._add(self._flat, "flat", batch_size, seconds)
 
-    def record_heads_yield(self, batch_size: int, accepted: int, seconds: float) -> None:
+    def record_heads_yield(self, batch_size: int, accepted: int, seconds: float, exploring: bool = False) -> None:
         """A step of ``batch_size`` requests in which the heads ran: ``accepted`` of their draft tokens were accepted
         (bonus tokens excluded; 0 where the schedule then drafted nothing from them), at ``seconds`` of step time
-        the heads added (drafting, and the rows of their draft tokens)."""
-        if batch_size >= 1 and seconds > 0:
+        the heads added (drafting, and the rows of their draft tokens). ``exploring``: the step explored
+        (:meth:`needs_exploration`): its drafts, a tree for every request under the exploring budget, measure
+        costs and are not the rule's choice, so their yield is not kept (served, creative writing at 32 running:
+        kept, the exploring steps of a batch size at which the heads' yield had stopped them pulled it from 504 to
+        226 tokens/s while the steps that had verified drafts emitted 575 tokens/s against 481 without)."""
+        if batch_size >= 1 and seconds > 0 and not exploring:
             self._add(self._yield, "yield", batch_size, (float(accepted), seconds, self._clock), YIELD_MAX_AGE + 1)
 
     def record_step(self, batch_size: int, tokens: int, seconds: float, drafted: bool) -> None:

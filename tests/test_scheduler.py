@@ -652,11 +652,10 @@ def test_drafting_is_explored_sooner_where_no_step_of_more_rows_is_measured():
     assert [c.needs_exploration(1) for _ in range(PROBE_EVERY)].index(True) == PROBE_EVERY - 1
 
 
-def test_the_heads_stop_where_their_realised_yield_is_below_plain_decodings():
-    """At 16 requests the calibration's best acceptance says drafting can pay, but the steps that ran the heads got
-    1 accepted token for 5 ms they added (200 tokens/s) against the plain step's 16 in 30 ms (533 tokens/s): no
-    draft pays there once 8 such steps are measured, and at one request (1.5 tokens for 2.5 ms) it does."""
-    from vllm_entmtp.step_costs import YIELD_MIN_STEPS, StepCosts
+def _plain_steps_of_30_ms_at_16():
+    """A scheduler with measured costs: plain steps of 25 ms at one request and 30 ms at 16 (533 tokens/s), draft
+    rows cheap up to 32 rows, drafting 2 ms at 16 requests."""
+    from vllm_entmtp.step_costs import StepCosts
 
     s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
     c = StepCosts()
@@ -664,6 +663,16 @@ def test_the_heads_stop_where_their_realised_yield_is_below_plain_decodings():
         for _ in range(3):
             c.record_rows(rows, t)
     c.record_draft(16, 0.002)
+    return s, c
+
+
+def test_the_heads_stop_where_their_realised_yield_is_below_plain_decodings():
+    """At 16 requests the calibration's best acceptance says drafting can pay, but the steps that ran the heads got
+    1 accepted token for 5 ms they added (200 tokens/s) against the plain step's 16 in 30 ms (533 tokens/s): no
+    draft pays there once 8 such steps are measured, and at one request (1.5 tokens for 2.5 ms) it does."""
+    from vllm_entmtp.step_costs import YIELD_MIN_STEPS
+
+    s, c = _plain_steps_of_30_ms_at_16()
     c.record_draft(1, 0.002)
     assert s.drafting_pays(16, c) and c.heads_yield(16) is None
     c.record_heads_yield(16, 0, 0.300)  # a first step's one-time costs: dropped when the second comes
@@ -679,7 +688,7 @@ def test_the_heads_stop_where_their_realised_yield_is_below_plain_decodings():
     # a batch size near 16 reads 16's yield (continuous batching moves it by a few requests), a far one does not
     assert c.heads_yield(14) == c.heads_yield(18) == pytest.approx(200.0)
     assert c.heads_yield(3) == c.heads_yield(1) and c.heads_yield(8) is None and c.heads_yield(40) is None
-    for _ in range(16):  # the heads fare better at 16 in later steps (exploring): drafting pays again
+    for _ in range(16):  # the heads fare better at 16 in later steps: drafting pays again
         c.record_heads_yield(16, 4, 0.005)
     assert s.drafting_pays(16, c)
 
@@ -689,14 +698,9 @@ def test_the_realised_comparison_overrules_the_heads_yield_and_exploring_steps_d
     plain steps emitted. Where the latter has drafted steps ahead at this batch size, a low yield does not stop the
     heads; where it has them behind, drafting rests (drafting_loses) whatever the yield. An exploring step's yield
     (a tree for every request, to measure costs) is not the rule's own drafting and is not kept."""
-    from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, COMPARE_MIN_PLAIN, YIELD_MIN_STEPS, StepCosts
+    from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, COMPARE_MIN_PLAIN, YIELD_MIN_STEPS
 
-    s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
-    c = StepCosts()
-    for rows, t in ((1, 0.025), (5, 0.0255), (16, 0.030), (32, 0.0305), (80, 0.060)):
-        for _ in range(3):
-            c.record_rows(rows, t)
-    c.record_draft(16, 0.002)
+    s, c = _plain_steps_of_30_ms_at_16()
     for _ in range(YIELD_MIN_STEPS + 1):
         c.record_heads_yield(16, 1, 0.005)  # 200 tokens/s against the plain step's 533
     assert c.heads_yield(16) == pytest.approx(200.0) and not s.drafting_pays(16, c)

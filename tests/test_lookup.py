@@ -21,8 +21,9 @@ def test_draft_is_what_followed_the_longest_earlier_match():
 
 
 def test_the_numpy_match_finds_what_the_reference_loop_finds():
-    """The match the drafter runs (numpy) against the plain loop that defines it, on token strings with many
-    repeats (a vocabulary of 2-5 tokens), every length from 1 to 80 and n-gram bounds from (1, 1) to (2, 5)."""
+    """The match the drafter runs (a byte search) against the plain loop that defines it, on token strings with
+    many repeats (a vocabulary of 2-5 tokens), every length from 1 to 80 and n-gram bounds from (1, 1) to (2, 5),
+    and on token ids whose bytes repeat across token boundaries."""
     from vllm_entmtp.lookup import _latest_longest_match, _latest_longest_match_py
 
     rng = np.random.default_rng(0)
@@ -35,6 +36,18 @@ def test_the_numpy_match_finds_what_the_reference_loop_finds():
                     (toks.tolist(), min_n, max_n)
                 checked += _latest_longest_match(toks, min_n, max_n) >= 0
     assert checked > 500  # most strings have a match: the comparison is not of -1s
+    # token ids whose bytes repeat across token boundaries: a byte-level hit that does not start on a token may lie
+    # right of the real match, and is skipped
+    for vocab in ((1, 256, 257, 65536, 65537, 16777217), (0x01000001, 0x00010100, 1, 0x01000000)):
+        for total in range(2, 60):
+            toks = rng.choice(np.array(vocab, dtype=np.int64), size=total).astype(np.int32)
+            for min_n, max_n in ((1, 3), (2, 4)):
+                assert _latest_longest_match(toks, min_n, max_n) == _latest_longest_match_py(toks, min_n, max_n)
+    # the suffix "1 2" (bytes 01 00 00 00 02 00 00 00) also appears from the second byte of 261 (05 01 00 00)
+    # through 512 (00 02 00 00) into 768 (00 03 00 00): off a token boundary, right of the real match at 0
+    toks = np.array([1, 2, 9, 261, 512, 768, 1, 2], dtype=np.int32)
+    assert toks.tobytes().rfind(toks[-2:].tobytes(), 0, 7 * 4) == 13  # the byte search meets the false hit first
+    assert _latest_longest_match(toks, 2, 2) == _latest_longest_match_py(toks, 2, 2) == 2
 
 
 def test_prompt_lookup_does_not_load_numba():

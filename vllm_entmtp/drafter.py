@@ -477,7 +477,8 @@ class EntMTPProposer(MedusaProposer):
                 costs.record_levels(n, getattr(self.drafter, "levels_run", 0), self.draft_seconds)
         if lookups:
             chosen, drafts = self._weigh_lookup(req_ids, lookups, sure, chosen, drafts, costs, budget)
-        # the heads' yield is kept for steps the load rule judges (not those with a request held to a tree)
+        # the heads' yield is kept for steps the load rule judges (not those with a request held to a tree, nor
+        # exploring steps: StepCosts.record_heads_yield)
         self._heads_exploring = explore
         self._heads_nodes = None if skip or not free else (
             sum(len(d) for (t, _), d in zip(chosen, drafts) if d and t != LOOKUP_ID), sum(len(d) for d in drafts))

@@ -46,10 +46,15 @@ from them over the 32 requests).
 drafter's time: their confidence, the schedule and their drafts, not prompt lookup and the tracker, which run
 in every step; and their rows); where that yield (:meth:`StepCosts.heads_yield`) is below the plain step's
 tokens per second, drafting does not pay at that batch size
-(:meth:`~vllm_entmtp.load_rules.LoadRules.drafting_pays`), and the heads run again only in the exploring steps
-above, whose yields enter the same record, until the low yield has aged out: the yield is judged over the heads'
-steps among the last :data:`YIELD_MAX_AGE` engine steps, so that a stretch of text which the heads predicted
-badly does not keep them off for good (then :data:`YIELD_MIN_STEPS` steps of the heads judge the yield again).
+(:meth:`~vllm_entmtp.load_rules.LoadRules.drafting_pays`), unless the realised comparison below has the steps
+with drafts ahead there (the yield prices the heads' rows by the step-time line and charges them a drafting
+step's whole fixed part). The heads then run only in the exploring steps above, whose yields are not kept (they
+draft for every request, not as the rule would), until the low yield has aged out: the yield is judged over the
+heads' steps among the last :data:`YIELD_MAX_AGE` engine steps, so that a stretch of text which the heads
+predicted badly does not keep them off for good (then :data:`YIELD_MIN_STEPS` steps of the heads judge the yield
+again). The realised comparison counts a step as drafted whatever its drafts' source, so where prompt lookup's
+drafts win on their own it lets the heads run again, until their steps bring the drafted steps' rate under the
+plain steps' (then nothing drafts there until the verdict ages).
 
 The realised comparison, over all of the above: the rules price draft rows and drafting from the rows' curve
 and the calibration, which miss costs that depend on the workload (each draft row attends to its request's whole
@@ -109,8 +114,8 @@ COMPARE_MIN_PLAIN = 4
 YIELD_MIN_STEPS = 8
 #: The heads' yield is judged over their steps among the last this many engine steps in which the drafter ran
 #: (:meth:`StepCosts.tick`), of any batch size. Where a low yield stopped the heads, it stands until fewer than
-#: :data:`YIELD_MIN_STEPS` of its observations are that recent (up to that many steps; exploring steps add to it
-#: meanwhile); then the calibration decides again and fresh observations judge anew. Before (the last 16 steps in
+#: :data:`YIELD_MIN_STEPS` of its observations are that recent (up to that many steps; exploring steps' yields are
+#: not kept); then the calibration decides again and fresh observations judge anew. Before (the last 16 steps in
 #: which the heads ran, with no age), two things went wrong at one request, in-process, bfloat16 (2026-12-03): on
 #: ShareGPT the first requests' yield (45-49 accepted tokens per second added, under plain decoding's 75-92) kept
 #: the heads off five requests in all but 3 exploring steps, and on creative writing a stretch of 16 steps in which

@@ -187,12 +187,13 @@ class LoadRules:
         d = costs.draft_time(batch_size)
         plain = batch_size / curve[0]
         realised = costs.heads_yield(batch_size)
-        rates = costs.step_rates(batch_size)
         # the heads, as they have fared at this batch size, unless the steps that verified drafts here emitted more
         # tokens per second than those that verified none (every cost measured, where the yield prices the rows)
-        if realised is not None and realised <= plain and (rates is None or rates[0] < rates[1]):
-            self.stats.not_paying += 1
-            return False
+        if realised is not None and realised <= plain:
+            rates = costs.step_rates(batch_size)
+            if rates is None or rates[0] < rates[1]:
+                self.stats.not_paying += 1
+                return False
         for b, n in enumerate(self._nodes):
             if n == 0:
                 continue

@@ -117,7 +117,6 @@ class PromptLookup:
         self.min_n, self.max_n, self.max_tokens = min_n, max_n, max_tokens
         self.prior = prior
         self._beta = 1.0 - 1.0 / window
-        self._match = _latest_longest_match
         self._record: dict[str, list[float]] = {}  # request -> [decayed accepted tokens, decayed rejections]
         self._unsent: dict[str, tuple[list[int], int]] = {}  # request -> (lookup draft not drafted, its position)
 
@@ -126,7 +125,7 @@ class PromptLookup:
         k = self.max_tokens if max_tokens is None else min(max_tokens, self.max_tokens)
         if k <= 0 or tokens.shape[0] <= self.min_n:
             return []
-        start = self._match(tokens, self.min_n, self.max_n)
+        start = _latest_longest_match(tokens, self.min_n, self.max_n)
         return tokens[start:start + k].tolist() if start >= 0 else []
 
     def propose_batch(self, token_ids: np.ndarray, num_tokens: Sequence[int], rows: Iterable[int],

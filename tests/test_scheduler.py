@@ -590,6 +590,75 @@ def test_drafting_rests_where_steps_with_drafts_emit_fewer_tokens_per_second_tha
                                          40: [pytest.approx(800.0, abs=0.1), pytest.approx(701.8, abs=0.1)]}
 
 
+def test_a_batch_drains_once_a_finished_request_is_not_replaced():
+    """Refills: a finished request followed by an arrival within REFILL_WAIT steps is steady load; REFILL_WAIT steps
+    without one, the batch drains until a request arrives; a batch that starts from empty (or has had no finish
+    yet) does not count as draining."""
+    from vllm_entmtp.step_costs import REFILL_WAIT, Refills
+
+    r = Refills()
+    r.step(arrived=16, finished=0, continuing=0)  # a burst arrives on an idle engine
+    for _ in range(3 * REFILL_WAIT):
+        r.step(arrived=0, finished=0, continuing=16)
+    assert not r.draining  # nobody finished yet: steady load and a burst look alike
+    r.step(arrived=0, finished=1, continuing=15)
+    r.step(arrived=1, finished=0, continuing=15)  # the client's next request, a step later
+    for _ in range(3 * REFILL_WAIT):
+        r.step(arrived=0, finished=0, continuing=16)
+    assert not r.draining  # refilled
+    r.step(arrived=0, finished=1, continuing=15)
+    for _ in range(REFILL_WAIT - 1):
+        r.step(arrived=0, finished=0, continuing=15)
+    assert not r.draining  # not yet: a replacement may still come
+    r.step(arrived=0, finished=0, continuing=15)
+    assert r.draining  # REFILL_WAIT steps after the finish with no arrival
+    r.step(arrived=0, finished=1, continuing=14)
+    assert r.draining  # a further finish changes nothing
+    r.step(arrived=2, finished=0, continuing=14)
+    assert not r.draining  # a request arrived: the batch is refilled
+    r.step(arrived=0, finished=1, continuing=15)
+    for _ in range(REFILL_WAIT):
+        r.step(arrived=0, finished=0, continuing=15)
+    assert r.draining
+    r.step(arrived=4, finished=0, continuing=0)  # the batch ran empty; a new burst starts it anew
+    assert not r.draining
+
+
+def test_while_the_batch_drains_partial_drafts_count_their_accepted_tokens_as_rows_saved():
+    """A drafted step in which some request verified no draft, while the batch drains, counts each accepted draft
+    token at the row's share of a plain token (the rows' slope times the batch over the plain step), so a tie of the
+    realised comparison under steady load is a loss there; a step in which every request drafted, or one under
+    steady load, counts in full; where the rows are not measured it counts in full."""
+    from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, COMPARE_MIN_PLAIN, StepCosts
+
+    unmeasured = StepCosts()
+    unmeasured.record_step(16, 20, 0.050, drafted=True, rows_only=True)
+    unmeasured.record_step(16, 20, 0.050, drafted=True, rows_only=True)
+    assert unmeasured.row_share(16) is None
+    assert unmeasured._steps[True][16][-1][0] == 20.0  # no share measured: in full
+
+    def served(rows_only: bool) -> StepCosts:
+        c = StepCosts()
+        for _ in range(2):  # plain steps of 12..20 rows: 14 ms plus 2 ms a row (a plain step of 16 rows: 46 ms)
+            for rows in range(12, 21):
+                c.record_rows(rows, 0.014 + 0.002 * rows)
+        for _ in range(COMPARE_MIN_PLAIN + 1):
+            c.record_step(16, 16, 0.046, drafted=False)  # 348 tokens/s
+        for _ in range(COMPARE_MIN_DRAFTING + 1):  # 6 draft rows for some requests, 4 accepted: 20 tokens in 56 ms
+            c.record_step(16, 20, 0.056, drafted=True, rows_only=rows_only)  # 357 tokens/s counted in full
+        return c
+
+    steady, draining = served(False), served(True)
+    assert draining.row_share(16) == pytest.approx(0.002 * 16 / 0.046)  # 0.70
+    assert not steady.drafting_loses(16)  # 357 against 348 tokens/s
+    assert draining.step_rates(16)[0] == pytest.approx((16 + 4 * 0.002 * 16 / 0.046) / 0.056)  # 336 tokens/s
+    assert draining.drafting_loses(16)
+    draining.record_step(16, 20, 0.056, drafted=True, rows_only=False)  # every request drafted: in full
+    assert draining._steps[True][16][-1][0] == 20.0
+    draining.record_step(16, 16, 0.046, drafted=False, rows_only=True)  # nothing accepted, nothing to count
+    assert draining._steps[False][16][-1][0] == 16.0
+
+
 def test_a_first_observation_is_dropped_when_a_second_arrives():
     """A key's first observation carries one-time costs (kernels built for a new shape): alone it stands, the second
     replaces it, later ones join the window."""

@@ -32,7 +32,7 @@ from vllm_entmtp.metrics import Publisher
 from vllm_entmtp.proposer import make_drafter
 from vllm_entmtp.request_options import NO_TREE, REQUEST_DRAFT_TOKENS_KEY, REQUEST_TREE_KEY, drafts_nothing
 from vllm_entmtp.stats import TreeStats, load_step_hook
-from vllm_entmtp.step_costs import StepCosts
+from vllm_entmtp.step_costs import Refills, StepCosts
 from vllm_entmtp.tensor_parallel import tp_rank_and_size, whole_vocab_lm_and_embed
 from vllm_entmtp.step import STEP, Draft, fault, is_greedy, last_accepted_rows, prefix_layer_hidden
 from vllm_entmtp.trees import Tree
@@ -141,6 +141,7 @@ class EntMTPProposer(MedusaProposer):
         self.recorder = recorder_from_env()  # self-distillation data for train-heads (training/record.py)
         self.scheduler = self.tracker = self.lookup = None
         self.step_costs: StepCosts | None = None  # load_policy "measured"
+        self.refills: Refills | None = None  # with step_costs: whether the batch drains (StepCosts.record_step)
         self._next_costs_log = 0.0  # time.monotonic() after which the step costs are logged (once compared)
         self.lifetimes = Lifetimes()  # every holder of per-request state, freed when vLLM drops the request
         for name, get in (("pending", lambda: self.pending), ("drafted_at", lambda: self._drafted_at),
@@ -196,6 +197,7 @@ class EntMTPProposer(MedusaProposer):
                             spec.entmtp.lookup_tokens, prior, source)
             if self.scheduler.measured:
                 self.step_costs = StepCosts()
+                self.refills = Refills()
                 logger.info("entmtp: load: step costs measured on this engine decide the drafts per batch size "
                             "(load_policy 'measured'%s)", "" if self.scheduler.max_verify_tokens_per_step is None
                             else f", then max_verify_tokens_per_step {self.scheduler.max_verify_tokens_per_step}")
@@ -591,12 +593,16 @@ class EntMTPProposer(MedusaProposer):
         costs = self.step_costs
         if costs is not None:
             costs.tick()  # the heads' yield and the decode steps' rates age by the drafter's steps
+            self.refills.step(len(scheduler_output.scheduled_new_reqs), len(scheduler_output.finished_req_ids),
+                              len(scheduler_output.scheduled_cached_reqs.req_ids))
         # a decode step: what it emitted against what it took, for the load rule's realised comparison; not where a
         # request held itself to a tree (verified this step or drafted for the next): those drafts are the
-        # request's choice, not the rule's (a benchmark's static trees had made the rule rest)
+        # request's choice, not the rule's (a benchmark's static trees had made the rule rest). While the batch
+        # drains, the accepted draft tokens of a step in which some request verified none count as rows saved
         if costs is not None and STEP.decode_rows and verified_free and self._proposed_free:
+            drafting = sum(1 for v in scheduler_output.scheduled_spec_decode_tokens.values() if v)
             costs.record_step(n, sum(len(t) for t in sampled_token_ids), time.perf_counter() - STEP.rows_clock,
-                              drafted=STEP.decode_rows > n)
+                              drafted=STEP.decode_rows > n, rows_only=self.refills.draining and drafting < n)
         if costs is not None and time.monotonic() >= self._next_costs_log and costs.compared():
             self._next_costs_log = time.monotonic() + COSTS_LOG_INTERVAL_S
             logger.info("entmtp: load: %s", costs.describe())

@@ -590,6 +590,24 @@ def test_drafting_rests_where_steps_with_drafts_emit_fewer_tokens_per_second_tha
                                          40: [pytest.approx(800.0, abs=0.1), pytest.approx(701.8, abs=0.1)]}
 
 
+def test_drafting_rests_on_a_tie_of_the_realised_comparison():
+    """The drafted steps must be COMPARE_MARGIN ahead of the steps without drafts: a tie rests (its costs show only
+    over a level: requests finishing at different steps, their successors' prompts run one by one)."""
+    from vllm_entmtp.step_costs import COMPARE_MARGIN, COMPARE_MIN_DRAFTING, COMPARE_MIN_PLAIN, StepCosts, drafts_behind
+
+    assert drafts_behind((102.0, 100.0)) and not drafts_behind((100.0 * (1 + COMPARE_MARGIN) + 0.1, 100.0))
+    c = StepCosts()
+    for _ in range(COMPARE_MIN_PLAIN + 1):
+        c.record_step(16, 16, 0.046, drafted=False)  # 348 tokens/s
+    for _ in range(COMPARE_MIN_DRAFTING + 1):
+        c.record_step(16, 20, 0.056, drafted=True)  # 357 tokens/s: 2.6 % ahead
+    assert c.step_rates(16)[0] > c.step_rates(16)[1] and c.drafting_loses(16)
+    assert "16: 357/348 (rests)" in c.describe()
+    for _ in range(16):
+        c.record_step(16, 21, 0.056, drafted=True)  # 375 tokens/s: 7.8 % ahead
+    assert not c.drafting_loses(16)
+
+
 def test_a_batch_drains_once_a_finished_request_is_not_replaced():
     """Refills: a finished request followed by an arrival within REFILL_WAIT steps is steady load; REFILL_WAIT steps
     without one, the batch drains until a request arrives; a batch that starts from empty (or has had no finish
@@ -644,17 +662,17 @@ def test_while_the_batch_drains_partial_drafts_count_their_accepted_tokens_as_ro
                 c.record_rows(rows, 0.014 + 0.002 * rows)
         for _ in range(COMPARE_MIN_PLAIN + 1):
             c.record_step(16, 16, 0.046, drafted=False)  # 348 tokens/s
-        for _ in range(COMPARE_MIN_DRAFTING + 1):  # 6 draft rows for some requests, 4 accepted: 20 tokens in 56 ms
-            c.record_step(16, 20, 0.056, drafted=True, rows_only=rows_only)  # 357 tokens/s counted in full
+        for _ in range(COMPARE_MIN_DRAFTING + 1):  # 7 draft rows for some requests, 6 accepted: 22 tokens in 60 ms
+            c.record_step(16, 22, 0.060, drafted=True, rows_only=rows_only)  # 367 tokens/s counted in full
         return c
 
     steady, draining = served(False), served(True)
     assert draining.row_share(16) == pytest.approx(0.002 * 16 / 0.046)  # 0.70
-    assert not steady.drafting_loses(16)  # 357 against 348 tokens/s
-    assert draining.step_rates(16)[0] == pytest.approx((16 + 4 * 0.002 * 16 / 0.046) / 0.056)  # 336 tokens/s
+    assert not steady.drafting_loses(16)  # 367 against 348 tokens/s
+    assert draining.step_rates(16)[0] == pytest.approx((16 + 6 * 0.002 * 16 / 0.046) / 0.060)  # 336 tokens/s
     assert draining.drafting_loses(16)
-    draining.record_step(16, 20, 0.056, drafted=True, rows_only=False)  # every request drafted: in full
-    assert draining._steps[True][16][-1][0] == 20.0
+    draining.record_step(16, 22, 0.060, drafted=True, rows_only=False)  # every request drafted: in full
+    assert draining._steps[True][16][-1][0] == 22.0
     draining.record_step(16, 16, 0.046, drafted=False, rows_only=True)  # nothing accepted, nothing to count
     assert draining._steps[False][16][-1][0] == 16.0
 

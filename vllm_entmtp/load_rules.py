@@ -54,7 +54,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-from vllm_entmtp.step_costs import StepCosts
+from vllm_entmtp.step_costs import StepCosts, drafts_behind
 from vllm_entmtp.trees import Tree, TreeSet
 
 DEFAULT_DECODE_ROW_COST = 0.067
@@ -172,7 +172,7 @@ class LoadRules:
         :meth:`StepCosts.heads_yield <vllm_entmtp.step_costs.StepCosts.heads_yield>`) must beat the plain step's
         tokens per second, unless the realised comparison at this batch size
         (:meth:`StepCosts.step_rates <vllm_entmtp.step_costs.StepCosts.step_rates>`) has the steps that verified
-        drafts ahead of those that verified none: it measures what the yield estimates (the yield prices the heads'
+        drafts ahead of those that verified none by :data:`~vllm_entmtp.step_costs.COMPARE_MARGIN`: it measures what the yield estimates (the yield prices the heads'
         rows by the step-cost curve, and charges a drafting step's fixed cost to the heads alone). Served,
         creative writing at 32 running (2026-12-05, AMX Xeon), the yield read 504 tokens/s against the plain
         step's 511 and stopped the heads while the steps that had verified drafts emitted 575 tokens/s against 481
@@ -191,7 +191,7 @@ class LoadRules:
         # tokens per second than those that verified none (every cost measured, where the yield prices the rows)
         if realised is not None and realised <= plain:
             rates = costs.step_rates(batch_size)
-            if rates is None or rates[0] < rates[1]:
+            if rates is None or drafts_behind(rates):
                 self.stats.not_paying += 1
                 return False
         for b, n in enumerate(self._nodes):

@@ -62,8 +62,9 @@ context, so on long chat prompts it costs far more than on short code prompts) a
 text is not like the calibration's. :meth:`StepCosts.record_step` keeps, per batch size, what each decode step
 emitted (one token per request plus its accepted draft tokens) and took (from its inputs to the end of its
 drafting), apart for steps that verified draft tokens and steps that verified none (not the steps in which a
-request held itself to a tree), among the last :data:`STEP_RATE_MAX_AGE` engine steps; where the former have
-emitted fewer tokens per second (:meth:`StepCosts.drafting_loses`), the drafter drafts nothing at that batch size,
+request held itself to a tree), among the last :data:`STEP_RATE_MAX_AGE` engine steps; where the former have not
+emitted :data:`COMPARE_MARGIN` more tokens per second (:meth:`StepCosts.drafting_loses`; a tie costs what single
+steps do not show), the drafter drafts nothing at that batch size,
 runs neither prompt lookup nor the heads, and explores as above (2026-12-02, served, ShareGPT, 16 running,
 bfloat16: entmtp ran 0.78-0.92x plain decoding while drafting in a quarter of the request-steps). Both sides of
 the comparison must come from the text now running: where drafted steps near a batch size are recent enough to
@@ -121,6 +122,15 @@ DRAFTED_FIT_SPAN = 8
 #: batch size (:meth:`StepCosts.drafting_loses`).
 COMPARE_MIN_DRAFTING = 8
 COMPARE_MIN_PLAIN = 4
+#: The steps that verified draft tokens must emit this share more tokens per second than those that verified none
+#: for drafting to go on (:func:`drafts_behind`). A tie costs what the tokens per second of single steps do not
+#: show: requests that accept different numbers of draft tokens finish at different steps, so a level's last steps
+#: run fewer requests, and their successors arrive one or two at a time, each prompt in a step of its own, where
+#: plain decoding's equal-length requests finish together and their successors' prompts run in one step. Served on
+#: the 2-core EPYC (2026-12-05, bfloat16, GSM8K, 32 requests at 16 running): the steps with drafts tied the steps
+#: without (359 against 365 tokens/s), the decode steps took 11.5 s against plain decoding's 11.6 s, and the steps
+#: with prompt tokens 4.9 s against 4.1 s (13 steps against 4): the level ran 0.96x.
+COMPARE_MARGIN = 0.05
 #: Steps in which the heads ran that it takes to judge a batch size's yield (of those of the last
 #: :data:`YIELD_MAX_AGE` steps).
 YIELD_MIN_STEPS = 8
@@ -188,6 +198,12 @@ class Refills:
             self._finished, self.draining = None, False
         elif self._finished is not None and self._clock - self._finished >= REFILL_WAIT:
             self.draining = True
+
+
+def drafts_behind(rates: tuple[float, float]) -> bool:
+    """Whether ``(tokens/s of the steps that verified draft tokens, tokens/s of those that verified none)`` has the
+    drafted steps short of :data:`COMPARE_MARGIN` ahead."""
+    return rates[0] < rates[1] * (1.0 + COMPARE_MARGIN)
 
 
 def _rate(obs) -> float:
@@ -384,8 +400,9 @@ class StepCosts:
         return out[0], out[1]
 
     def drafting_loses(self, batch_size: int) -> bool:
-        """Whether, at ``batch_size`` requests, the decode steps that verified draft tokens have emitted fewer tokens
-        per second than those that verified none (:meth:`step_rates`): what drafting actually returned against
+        """Whether, at ``batch_size`` requests, the decode steps that verified draft tokens have not emitted
+        :data:`COMPARE_MARGIN` more tokens per second than those that verified none (:meth:`step_rates`,
+        :func:`drafts_behind`): what drafting actually returned against
         what it actually cost, every cost included (the rows' attention over long contexts, the heads, lookup and
         sampling).
 
@@ -398,11 +415,11 @@ class StepCosts:
         replaces the inherited one once it has the steps. False with neither."""
         rates = self.step_rates(batch_size)
         if rates is not None:
-            return rates[0] < rates[1]
+            return drafts_behind(rates)
         for b in sorted((b for b in self._steps[True] if b < batch_size), reverse=True):
             rates = self._own_rates(b)
             if rates is not None:
-                return rates[0] < rates[1]
+                return drafts_behind(rates)
         return False
 
     def _own_rates(self, batch_size: int) -> tuple[float, float] | None:
@@ -671,7 +688,7 @@ class StepCosts:
         for b in sorted(self._steps[True]):
             rates = self._own_rates(b)
             if rates is not None:
-                parts.append(f"{b}: {rates[0]:.0f}/{rates[1]:.0f}{' (rests)' if rates[0] < rates[1] else ''}")
+                parts.append(f"{b}: {rates[0]:.0f}/{rates[1]:.0f}{' (rests)' if drafts_behind(rates) else ''}")
         compared = ", ".join(parts) if parts else "none yet"
         return (f"tokens/s of recent steps with/without draft tokens by batch size: {compared}; steps without drafts "
                 f"to measure: probes {self.probes}, references {self.references}; exploring steps {self.explorations}")

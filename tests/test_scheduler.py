@@ -638,43 +638,22 @@ def test_a_batch_drains_once_a_finished_request_is_not_replaced():
     for _ in range(REFILL_WAIT):
         r.step(arrived=0, finished=0, continuing=15)
     assert r.draining
-    r.step(arrived=4, finished=0, continuing=0)  # the batch ran empty; a new burst starts it anew
-    assert not r.draining
+    r.step(arrived=4, finished=1, continuing=0)  # the batch ran empty; a new burst starts it anew
+    for _ in range(2 * REFILL_WAIT):
+        r.step(arrived=0, finished=0, continuing=4)
+    assert not r.draining  # the finish announced with the new burst was the last batch's
 
 
-def test_while_the_batch_drains_partial_drafts_count_their_accepted_tokens_as_rows_saved():
-    """A drafted step in which some request verified no draft, while the batch drains, counts each accepted draft
-    token at the row's share of a plain token (the rows' slope times the batch over the plain step), so a tie of the
-    realised comparison under steady load is a loss there; a step in which every request drafted, or one under
-    steady load, counts in full; where the rows are not measured it counts in full."""
-    from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, COMPARE_MIN_PLAIN, StepCosts
+def test_while_the_batch_drains_only_the_requests_with_the_most_tokens_left_may_draft():
+    """last_to_finish: within slack of the request with the most tokens left (its max_tokens less its output); a
+    request whose tokens left are unknown may draft; with none known, all may."""
+    from vllm_entmtp.step_costs import last_to_finish
 
-    unmeasured = StepCosts()
-    unmeasured.record_step(16, 20, 0.050, drafted=True, rows_only=True)
-    unmeasured.record_step(16, 20, 0.050, drafted=True, rows_only=True)
-    assert unmeasured.row_share(16) is None
-    assert unmeasured._steps[True][16][-1][0] == 20.0  # no share measured: in full
-
-    def served(rows_only: bool) -> StepCosts:
-        c = StepCosts()
-        for _ in range(2):  # plain steps of 12..20 rows: 14 ms plus 2 ms a row (a plain step of 16 rows: 46 ms)
-            for rows in range(12, 21):
-                c.record_rows(rows, 0.014 + 0.002 * rows)
-        for _ in range(COMPARE_MIN_PLAIN + 1):
-            c.record_step(16, 16, 0.046, drafted=False)  # 348 tokens/s
-        for _ in range(COMPARE_MIN_DRAFTING + 1):  # 7 draft rows for some requests, 6 accepted: 22 tokens in 60 ms
-            c.record_step(16, 22, 0.060, drafted=True, rows_only=rows_only)  # 367 tokens/s counted in full
-        return c
-
-    steady, draining = served(False), served(True)
-    assert draining.row_share(16) == pytest.approx(0.002 * 16 / 0.046)  # 0.70
-    assert not steady.drafting_loses(16)  # 367 against 348 tokens/s
-    assert draining.step_rates(16)[0] == pytest.approx((16 + 6 * 0.002 * 16 / 0.046) / 0.060)  # 336 tokens/s
-    assert draining.drafting_loses(16)
-    draining.record_step(16, 22, 0.060, drafted=True, rows_only=False)  # every request drafted: in full
-    assert draining._steps[True][16][-1][0] == 22.0
-    draining.record_step(16, 16, 0.046, drafted=False, rows_only=True)  # nothing accepted, nothing to count
-    assert draining._steps[False][16][-1][0] == 16.0
+    assert last_to_finish([60, 57, 56, 40, 3], slack=4) == [True, True, True, False, False]
+    assert last_to_finish([60, None, 10], slack=4) == [True, True, False]
+    assert last_to_finish([None, None], slack=4) == [True, True]
+    assert last_to_finish([5, 5, 5], slack=0) == [True, True, True]  # tied: each is among the last
+    assert last_to_finish([], slack=4) == []
 
 
 def test_a_first_observation_is_dropped_when_a_second_arrives():

@@ -32,7 +32,7 @@ from vllm_entmtp.metrics import Publisher
 from vllm_entmtp.proposer import make_drafter
 from vllm_entmtp.request_options import NO_TREE, REQUEST_DRAFT_TOKENS_KEY, REQUEST_TREE_KEY, drafts_nothing
 from vllm_entmtp.stats import TreeStats, load_step_hook
-from vllm_entmtp.step_costs import Refills, StepCosts
+from vllm_entmtp.step_costs import Refills, StepCosts, last_to_finish
 from vllm_entmtp.tensor_parallel import tp_rank_and_size, whole_vocab_lm_and_embed
 from vllm_entmtp.step import STEP, Draft, fault, is_greedy, last_accepted_rows, prefix_layer_hidden
 from vllm_entmtp.trees import Tree
@@ -141,7 +141,7 @@ class EntMTPProposer(MedusaProposer):
         self.recorder = recorder_from_env()  # self-distillation data for train-heads (training/record.py)
         self.scheduler = self.tracker = self.lookup = None
         self.step_costs: StepCosts | None = None  # load_policy "measured"
-        self.refills: Refills | None = None  # with step_costs: whether the batch drains (StepCosts.record_step)
+        self.refills: Refills | None = None  # with step_costs: whether the batch drains (last_to_finish)
         self._next_costs_log = 0.0  # time.monotonic() after which the step costs are logged (once compared)
         self.lifetimes = Lifetimes()  # every holder of per-request state, freed when vLLM drops the request
         for name, get in (("pending", lambda: self.pending), ("drafted_at", lambda: self._drafted_at),
@@ -261,6 +261,13 @@ class EntMTPProposer(MedusaProposer):
                 logger.warning("entmtp: request %s: %s=%r is not a tree of %s; ignored", req_id,
                                REQUEST_TREE_KEY, tid, self.scheduler.tree_set.source)
             return None
+
+    def _tokens_left(self, req_id: str) -> int | None:
+        """The request's ``max_tokens`` less its output tokens so far; None where either is not known."""
+        req = self.runner.requests.get(req_id) if self.runner is not None else None
+        limit = getattr(getattr(req, "sampling_params", None), "max_tokens", None)
+        out = getattr(req, "output_token_ids", None)
+        return None if limit is None or out is None else limit - len(out)
 
     def _sampling_params(self, req_id: str):
         req = self.runner.requests.get(req_id) if self.runner is not None else None
@@ -398,6 +405,11 @@ class EntMTPProposer(MedusaProposer):
         costs = self.step_costs
         free = all(f is None for f in forced)
         self._proposed_free = free
+        if costs is not None and free and self.refills.draining:
+            # the batch drains: only the requests with the most tokens left can bring its end sooner
+            behind = last_to_finish([self._tokens_left(r) for r in req_ids], self.num_speculative_tokens)
+            self.refills.held += sum(1 for b, keep in zip(budgets, behind) if b > 0 and not keep)
+            budgets = [b if keep else 0 for b, keep in zip(budgets, behind)]
         # a plain step of this many rows is not measured, or the realised comparison lacks recent steps without drafts
         probe = costs is not None and free and (costs.needs_probe(n) or costs.needs_reference(n))
         # where the steps that verified drafts have emitted fewer tokens per second than those that verified none,
@@ -597,12 +609,10 @@ class EntMTPProposer(MedusaProposer):
                               len(scheduler_output.scheduled_cached_reqs.req_ids))
         # a decode step: what it emitted against what it took, for the load rule's realised comparison; not where a
         # request held itself to a tree (verified this step or drafted for the next): those drafts are the
-        # request's choice, not the rule's (a benchmark's static trees had made the rule rest). While the batch
-        # drains, the accepted draft tokens of a step in which some request verified none count as rows saved
+        # request's choice, not the rule's (a benchmark's static trees had made the rule rest)
         if costs is not None and STEP.decode_rows and verified_free and self._proposed_free:
-            drafting = sum(1 for v in scheduler_output.scheduled_spec_decode_tokens.values() if v)
             costs.record_step(n, sum(len(t) for t in sampled_token_ids), time.perf_counter() - STEP.rows_clock,
-                              drafted=STEP.decode_rows > n, rows_only=self.refills.draining and drafting < n)
+                              drafted=STEP.decode_rows > n)
         if costs is not None and time.monotonic() >= self._next_costs_log and costs.compared():
             self._next_costs_log = time.monotonic() + COSTS_LOG_INTERVAL_S
             logger.info("entmtp: load: %s", costs.describe())

@@ -74,17 +74,11 @@ since their last plain step). A batch size
 with no comparison of its own takes the loss of the largest smaller batch size that has one: drafting only gets
 dearer as the batch grows, so it is not tried afresh there (it is still explored).
 
-What an accepted draft token is worth depends on whether the batch is refilled (:class:`Refills`). Under steady
-load a request that finishes a step sooner frees its place for the next one, so a token is worth a plain step's
-time per request, as the tokens per second above count it. While the batch drains (requests finish and none
-arrive: the end of a burst, or a benchmark's level of as many requests as run at once), the batch's time is the
-steps of its longest request plus a row for every token and draft row: an accepted draft token of a request that
-is not the last to finish saves one row of a later step, and drafts that only some requests verify do not bring
-the last one sooner. There a drafted step in which some request verified no draft counts its accepted draft
-tokens at the row's share of a plain token (:meth:`StepCosts.row_share`: the rows' slope times the batch size
-over the plain step; ``rows_only`` of :meth:`StepCosts.record_step`), so that such drafts must save more rows
-than they cost to be kept; steps in which every request verified drafts bring the last request sooner too and
-count in full.
+While the batch drains (requests finish and none arrive: the end of a burst, or a benchmark's level of as many
+requests as run at once; :class:`Refills`), a batch's time is the steps of its last request to finish plus a row
+for every token and draft row: an accepted draft token of a request that finishes before the last saves one row
+of a later step, less than the draft rows cost, and only the requests with the most tokens left bring the end
+sooner. There only those requests may draft (:func:`last_to_finish`).
 """
 from __future__ import annotations
 
@@ -163,8 +157,9 @@ YIELD_MAX_AGE = 64
 STEP_RATE_MAX_AGE = 128
 
 #: Engine steps after a request finished within which a new request must arrive for the batch to count as refilled
-#: (:class:`Refills`): a client that sends its next request when one ends is seen one or two steps later.
-REFILL_WAIT = 8
+#: (:class:`Refills`). Served on the 2-core EPYC (2026-12-05, HumanEval and GSM8K at 16 running, the benchmark's
+#: client sending its next request as one ends), the next request's prompt ran 0 or 1 steps after the batch shrank.
+REFILL_WAIT = 3
 
 
 class Refills:
@@ -173,31 +168,45 @@ class Refills:
     :data:`REFILL_WAIT` steps after a request finished with no request arriving since, until one arrives.
     Before any request has finished since the batch last started from empty, it does not count as draining.
 
-    It changes what an accepted draft token is worth (:meth:`StepCosts.record_step`, ``rows_only``): under steady
-    load it frees its request's place for the next request a step sooner, a plain step's time per request; while
-    the batch drains it shortens its level only if its request finishes last, and otherwise saves one row of a later
-    step. Served on the 2-core EPYC (2026-12-05, bfloat16, GSM8K, 16 running), the realised comparison had steps
-    that verified drafts at 359 tokens/s against 365 for steps without, a tie, while a row cost 1.7 ms of a 46-ms
-    plain step of 16 rows (0.6 of a plain token's 2.9 ms): the drafter drafted for part of the batch in 77 of 226
-    steps and the level ran 0.95-1.00x plain decoding."""
+    It changes what an accepted draft token is worth (module docstring; :func:`last_to_finish`): under steady load
+    it frees its request's place for the next request a step sooner, a plain step's time per request; while the
+    batch drains it shortens the batch's time only if its request is among the last to finish, and otherwise saves
+    one row of a later step. Served on the 2-core EPYC (2026-12-05, bfloat16, HumanEval, 32 requests at 32
+    running), as the batch drained from 25 to 18 requests the drafter drafted 13-24 rows a step for ten steps
+    (99-111 ms each, against about 62 ms for a plain step of 25 rows), the decode steps of the level taking 8.5 s
+    against plain decoding's 8.1 s."""
 
     def __init__(self) -> None:
         self._finished: int | None = None  # clock of the first finish not yet followed by an arrival
         self._clock = 0
         self.draining = False
+        self.held = 0  # request-steps the drafter held back from drafting while the batch drained (last_to_finish)
 
     def step(self, arrived: int, finished: int, continuing: int) -> None:
         """An engine step: ``arrived`` requests were scheduled for the first time, ``finished`` were announced
         finished, ``continuing`` were scheduled again (0: the batch starts anew)."""
         self._clock += 1
-        if continuing == 0:
+        if continuing == 0:  # the finishes announced with a batch that starts anew are the last batch's
             self._finished, self.draining = None, False
+            return
         if finished and self._finished is None:
             self._finished = self._clock
         if arrived and continuing:
             self._finished, self.draining = None, False
         elif self._finished is not None and self._clock - self._finished >= REFILL_WAIT:
             self.draining = True
+
+
+def last_to_finish(tokens_left: list[int | None], slack: int) -> list[bool]:
+    """Which requests of a draining batch may draft: those with at most ``slack`` fewer tokens left (their
+    ``max_tokens`` less their output so far) than the request with the most; a request whose tokens left are not
+    known (None) may. A request further ahead finishes before the last one whatever it accepts, so its accepted
+    draft tokens save rows of later steps and not steps (module docstring)."""
+    known = [t for t in tokens_left if t is not None]
+    if not known:
+        return [True] * len(tokens_left)
+    most = max(known)
+    return [t is None or t >= most - slack for t in tokens_left]
 
 
 def drafts_behind(rates: tuple[float, float]) -> bool:
@@ -313,31 +322,12 @@ class StepCosts:
         if batch_size >= 1 and seconds > 0 and not exploring:
             self._add(self._yield, "yield", batch_size, (float(accepted), seconds, self._clock), YIELD_MAX_AGE + 1)
 
-    def record_step(self, batch_size: int, tokens: int, seconds: float, drafted: bool,
-                    rows_only: bool = False) -> None:
+    def record_step(self, batch_size: int, tokens: int, seconds: float, drafted: bool) -> None:
         """A decode step of ``batch_size`` requests emitted ``tokens`` (one per request plus the accepted draft
         tokens) in ``seconds`` (from its inputs to the end of its drafting); ``drafted``: it verified draft
-        tokens. ``rows_only``: the step ran while the batch drains (:class:`Refills`) and some of its requests
-        verified no draft, so its accepted draft tokens count at :meth:`row_share` each (module docstring)."""
+        tokens."""
         if batch_size >= 1 and seconds > 0:
-            if drafted and rows_only and tokens > batch_size:
-                share = self.row_share(batch_size)
-                if share is not None:
-                    tokens = batch_size + (tokens - batch_size) * share
             self._add(self._steps[drafted], f"step-{drafted}", batch_size, (float(tokens), seconds, self._clock))
-
-    def row_share(self, batch_size: int) -> float | None:
-        """What a row of a step of ``batch_size`` requests costs, as a share of the plain step's time per request:
-        the slope of the line through the measured row counts within ``max(2, batch_size // 4)`` of
-        ``batch_size`` (:meth:`_local_fit`) times ``batch_size`` over the plain step (:meth:`plain_time`), at most
-        1; None where either is not measured. Where a batch drains, an accepted draft token of a request that is
-        not the last to finish saves one row of a later step, this share of a token's worth (module docstring)."""
-        plain = self.plain_time(batch_size)
-        reach = max(2, batch_size // 4)
-        fit = self._local_fit(batch_size - reach, batch_size + reach)
-        if plain is None or fit is None or plain <= 0:
-            return None
-        return min(1.0, fit[1] * batch_size / plain)
 
     def tick(self) -> None:
         """An engine step in which the drafter ran (any batch size, prompt chunks or not): the heads' yield

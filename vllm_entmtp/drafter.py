@@ -412,8 +412,9 @@ class EntMTPProposer(MedusaProposer):
             budgets = [b if keep else 0 for b, keep in zip(budgets, behind)]
         # a plain step of this many rows is not measured, or the realised comparison lacks recent steps without drafts
         probe = costs is not None and free and (costs.needs_probe(n) or costs.needs_reference(n))
-        # where the steps that verified drafts have emitted fewer tokens per second than those that verified none,
-        # nothing is drafted (no lookup search, no head), but now and then the schedule explores (needs_exploration)
+        # where the steps that verified drafts have not emitted COMPARE_MARGIN more tokens per second than those that
+        # verified none, nothing is drafted (no lookup search, no head), but now and then the schedule explores
+        # (needs_exploration)
         resting = costs is not None and free and not probe and costs.drafting_loses(n)
         explore = resting and costs.needs_exploration(n)  # drafting is measured again (StepCosts)
         rest = resting and not explore

@@ -172,8 +172,9 @@ class LoadRules:
         :meth:`StepCosts.heads_yield <vllm_entmtp.step_costs.StepCosts.heads_yield>`) must beat the plain step's
         tokens per second, unless the realised comparison at this batch size
         (:meth:`StepCosts.step_rates <vllm_entmtp.step_costs.StepCosts.step_rates>`) has the steps that verified
-        drafts ahead of those that verified none by :data:`~vllm_entmtp.step_costs.COMPARE_MARGIN`: it measures what the yield estimates (the yield prices the heads'
-        rows by the step-cost curve, and charges a drafting step's fixed cost to the heads alone). Served,
+        drafts ahead of those that verified none by :data:`~vllm_entmtp.step_costs.COMPARE_MARGIN`: it measures
+        what the yield estimates (the yield prices the heads' rows by the step-cost curve, and charges a drafting
+        step's fixed cost to the heads alone). Served,
         creative writing at 32 running (2026-12-05, AMX Xeon), the yield read 504 tokens/s against the plain
         step's 511 and stopped the heads while the steps that had verified drafts emitted 575 tokens/s against 481
         for the steps without. False: skip the heads for this step. True when the costs are not measured enough
@@ -187,8 +188,9 @@ class LoadRules:
         d = costs.draft_time(batch_size)
         plain = batch_size / curve[0]
         realised = costs.heads_yield(batch_size)
-        # the heads, as they have fared at this batch size, unless the steps that verified drafts here emitted more
-        # tokens per second than those that verified none (every cost measured, where the yield prices the rows)
+        # the heads, as they have fared at this batch size, unless the steps that verified drafts here emitted
+        # COMPARE_MARGIN more tokens per second than those that verified none (every cost measured, where the
+        # yield prices the rows)
         if realised is not None and realised <= plain:
             rates = costs.step_rates(batch_size)
             if rates is None or drafts_behind(rates):

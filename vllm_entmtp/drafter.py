@@ -262,16 +262,19 @@ class EntMTPProposer(MedusaProposer):
                                REQUEST_TREE_KEY, tid, self.scheduler.tree_set.source)
             return None
 
+    def _request(self, req_id: str):
+        """The runner's state of the request (None where there is none)."""
+        return self.runner.requests.get(req_id) if self.runner is not None else None
+
     def _tokens_left(self, req_id: str) -> int | None:
         """The request's ``max_tokens`` less its output tokens so far; None where either is not known."""
-        req = self.runner.requests.get(req_id) if self.runner is not None else None
+        req = self._request(req_id)
         limit = getattr(getattr(req, "sampling_params", None), "max_tokens", None)
         out = getattr(req, "output_token_ids", None)
         return None if limit is None or out is None else limit - len(out)
 
     def _sampling_params(self, req_id: str):
-        req = self.runner.requests.get(req_id) if self.runner is not None else None
-        return getattr(req, "sampling_params", None)
+        return getattr(self._request(req_id), "sampling_params", None)
 
     def _tree_for(self, req_id: str, budget: int, choice: tuple | None = None) -> tuple[str, Tree | None]:
         """``(tree id, tree)`` a request drafts this step; ``choice`` is the scheduler's, if any."""
@@ -408,7 +411,6 @@ class EntMTPProposer(MedusaProposer):
         if costs is not None and free and self.refills.draining:
             # the batch drains: only the requests with the most tokens left can bring its end sooner
             behind = last_to_finish([self._tokens_left(r) for r in req_ids], self.num_speculative_tokens)
-            self.refills.held += sum(1 for b, keep in zip(budgets, behind) if b > 0 and not keep)
             budgets = [b if keep else 0 for b, keep in zip(budgets, behind)]
         # a plain step of this many rows is not measured, or the realised comparison lacks recent steps without drafts
         probe = costs is not None and free and (costs.needs_probe(n) or costs.needs_reference(n))

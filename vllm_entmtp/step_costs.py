@@ -180,7 +180,6 @@ class Refills:
         self._finished: int | None = None  # clock of the first finish not yet followed by an arrival
         self._clock = 0
         self.draining = False
-        self.held = 0  # request-steps the drafter held back from drafting while the batch drained (last_to_finish)
 
     def step(self, arrived: int, finished: int, continuing: int) -> None:
         """An engine step: ``arrived`` requests were scheduled for the first time, ``finished`` were announced
@@ -191,7 +190,7 @@ class Refills:
             return
         if finished and self._finished is None:
             self._finished = self._clock
-        if arrived and continuing:
+        if arrived:
             self._finished, self.draining = None, False
         elif self._finished is not None and self._clock - self._finished >= REFILL_WAIT:
             self.draining = True

@@ -115,6 +115,8 @@ class EntMTPProposer(MedusaProposer):
         # of its last draft
         self._drafted_at: dict[str, tuple[str, float | None, float | None, float | None, int]] = {}
         self._warned: set[str] = set()
+        self._req_options: dict[str, tuple] = {}  # request -> _options()
+        self._live_seen: frozenset | None = None  # the runner's requests at the last free_missing that ran
         self.faults_logged: set[str] = set()  # stages whose first fault was logged (fault())
         self.tree_stats = TreeStats()
         # under tensor parallelism every rank drafts the same; rank 0 alone publishes (the counters once)
@@ -146,6 +148,7 @@ class EntMTPProposer(MedusaProposer):
         self.lifetimes = Lifetimes()  # every holder of per-request state, freed when vLLM drops the request
         for name, get in (("pending", lambda: self.pending), ("drafted_at", lambda: self._drafted_at),
                           ("warned", lambda: self._warned),
+                          ("request_options", lambda: self._req_options),
                           ("recorder", lambda: self.recorder), ("lookup", lambda: self.lookup),
                           ("prefix_cache", lambda: self.prefix_cache), ("scheduler", lambda: self.scheduler),
                           ("tracker", lambda: self.tracker)):
@@ -231,18 +234,32 @@ class EntMTPProposer(MedusaProposer):
         return _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype) == SUPPORTED_ISA
 
     def _request_budgets(self, num_speculative_tokens: int, req_ids: list[str]) -> list[int]:
-        budgets = [min(num_speculative_tokens, self.num_speculative_tokens)] * len(req_ids)
-        for i, req_id in enumerate(req_ids):
-            extra = getattr(self._sampling_params(req_id), "extra_args", None) or {}
-            if REQUEST_DRAFT_TOKENS_KEY in extra:
-                v = extra[REQUEST_DRAFT_TOKENS_KEY]
-                if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
-                    budgets[i] = min(budgets[i], v)
-                elif req_id not in self._warned:  # refused by the front end (request_options); defensive
-                    self._warned.add(req_id)
-                    logger.warning("entmtp: request %s: %s=%r is not an int >= 0; ignored",
-                                   req_id, REQUEST_DRAFT_TOKENS_KEY, v)
-        return budgets
+        top = min(num_speculative_tokens, self.num_speculative_tokens)
+        return [top if (cap := self._options(r)[0]) is None else min(top, cap) for r in req_ids]
+
+    def _options(self, req_id: str) -> tuple[int | None, tuple | None]:
+        """The request's own draft options, read from its sampling parameters once (they do not change while it
+        runs): its cap on draft tokens (``extra_args[REQUEST_DRAFT_TOKENS_KEY]``; None: none) and the tree it
+        holds itself to (:meth:`_forced_tree`; None: none). A request the runner does not hold is read again."""
+        opts = self._req_options.get(req_id)
+        if opts is None:
+            opts = (self._draft_token_cap(req_id), self._forced_tree(req_id) if self.scheduler is not None else None)
+            if self._request(req_id) is not None:
+                self._req_options[req_id] = opts
+        return opts
+
+    def _draft_token_cap(self, req_id: str) -> int | None:
+        extra = getattr(self._sampling_params(req_id), "extra_args", None) or {}
+        if REQUEST_DRAFT_TOKENS_KEY not in extra:
+            return None
+        v = extra[REQUEST_DRAFT_TOKENS_KEY]
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            return v
+        if req_id not in self._warned:  # refused by the front end (request_options); defensive
+            self._warned.add(req_id)
+            logger.warning("entmtp: request %s: %s=%r is not an int >= 0; ignored",
+                           req_id, REQUEST_DRAFT_TOKENS_KEY, v)
+        return None
 
     def _forced_tree(self, req_id: str) -> tuple | None:
         """The request's ``extra_args[REQUEST_TREE_KEY]`` tree of the scheduled set, if it names one."""
@@ -404,7 +421,7 @@ class EntMTPProposer(MedusaProposer):
         n = len(req_ids)
         self._heads_nodes = None  # set below once this step's drafts are known (a fault on the way leaves None)
         self.draft_seconds = 0.0
-        forced = [self._forced_tree(rid) for rid in req_ids]
+        forced = [self._options(rid)[1] for rid in req_ids]
         costs = self.step_costs
         free = all(f is None for f in forced)
         self._proposed_free = free
@@ -429,7 +446,8 @@ class EntMTPProposer(MedusaProposer):
                 >= self.scheduler.best_expected(req_ids[i])}
         want_heads = [i for i in range(n) if budgets[i] > 0 and (active is None or active[i]) and i not in sure]
         skip = probe or rest or heads_only_lookup or not want_heads or (budget == 0 and free)  # budget 0: no room
-        if not skip and not explore and costs is not None and free and not self.scheduler.drafting_pays(n, costs):
+        if (not skip and not explore and costs is not None and free
+                and not self.scheduler.drafting_pays(n, costs, drafting=len(want_heads))):
             explore = costs.needs_exploration(n)
             skip = not explore
         elif not skip and not explore and costs is not None and free and not costs.drafted_line_known(n):
@@ -640,8 +658,13 @@ class EntMTPProposer(MedusaProposer):
     def free_missing(self, live_req_ids) -> None:
         """Drop the state of every request vLLM no longer holds (finished, aborted): :mod:`vllm_entmtp.lifetimes`.
         Called each step, as a request that finishes last may be announced in a step with nothing to run, which
-        skips the runner."""
-        self.lifetimes.free_missing(live_req_ids)
+        skips the runner. Where the requests are those of the last call that ran, nothing is dropped: state is
+        only ever added for requests the runner holds."""
+        live = live_req_ids.keys() if isinstance(live_req_ids, dict) else set(live_req_ids)
+        if live == self._live_seen:
+            return
+        self.lifetimes.free_missing(live)
+        self._live_seen = frozenset(live)
 
     def held_request_ids(self) -> set[str]:
         """Requests with any per-request state in the drafter; :meth:`free_missing` drops it once vLLM no longer

@@ -162,9 +162,10 @@ class LoadRules:
         """Row-bound step time with ``n = 0 .. max_nodes`` draft nodes over ``batch_size`` roots (seconds)."""
         return costs.curve(batch_size, max_nodes)
 
-    def drafting_pays(self, batch_size: int, costs: StepCosts) -> bool:
+    def drafting_pays(self, batch_size: int, costs: StepCosts, drafting: int | None = None) -> bool:
         """Whether any draft can raise this batch's tokens per second at the best acceptance the calibration
-        knows: ``k`` requests (any ``k``) drafting one tree of the ladder each at its best calibration bin's
+        knows: ``k`` requests (any ``k`` up to ``drafting``, the requests that may draft from the heads this step;
+        None: all of them) drafting one tree of the ladder each at its best calibration bin's
         expected accepted tokens, against a step without drafts, the drafting up to the choice included (the
         levels after it are left to the choice, :meth:`_fit_measured`: this test is the optimistic one); and,
         once measured,
@@ -196,11 +197,14 @@ class LoadRules:
             if rates is None or drafts_behind(rates):
                 self.stats.not_paying += 1
                 return False
+        # the drafting time is the heads' pass, whatever the requests it serves (the lm_head's weights are read
+        # once): a few requests left to the heads (the rest take their lookup draft) may not carry it
+        most = batch_size if drafting is None else min(drafting, batch_size)
         for b, n in enumerate(self._nodes):
             if n == 0:
                 continue
             a = max(self._acc[b])
-            for k in range(1, batch_size + 1):
+            for k in range(1, most + 1):
                 if (batch_size + k * a) / (curve[k * n] + d) > plain:
                     return True
         self.stats.not_paying += 1

@@ -366,6 +366,9 @@ def _step_signals(logits: torch.Tensor, sampler_output, entropy: bool) -> tuple[
     tokens."""
     from vllm_entmtp.entropy import entropy_nats
 
+    if not STEP.rows and not STEP.fallback and STEP.offsets is not None and len(STEP.offsets) == len(logits) + 1:
+        # no draft tokens this step (with_draft_tokens): one row and one emitted token per request, none accepted
+        return (entropy_nats(logits).tolist() if entropy else None), [0] * len(logits)
     emitted = (sampler_output.sampled_token_ids >= 0).sum(dim=1)  # [B]
     accepted = (emitted - 1).clamp(min=0).tolist()
     if not entropy:

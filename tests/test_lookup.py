@@ -194,3 +194,20 @@ def test_calibrated_prior_only_when_the_user_gave_none_and_the_lengths_match():
     assert calibrated_prior(0.3, True, cal, 2, 4) == (0.3, "lookup_prior")
     assert calibrated_prior(0.5, False, cal, 3, 5) == (0.5, "default")  # calibrated for other n-grams
     assert calibrated_prior(0.5, False, {}, 2, 4) == (0.5, "default")
+
+
+def test_lookup_rests_after_declined_steps_and_searches_again_once_a_draft_is_taken():
+    from vllm_entmtp.lookup import LookupRests
+
+    r = LookupRests(after=3, every=4)
+    for _ in range(3):  # three steps at 32 whose lookup drafts were all declined
+        assert r.searches(32)
+        r.record(32, found=True, taken=False)
+    r.record(32, found=False, taken=False)  # found nothing: not counted either way
+    # resting at 32: one search every 4 steps; other batch sizes search every step
+    assert [r.searches(32) for _ in range(8)] == [False, False, False, True] * 2 and r.rested == 6
+    assert r.searches(16)
+    r.record(32, found=True, taken=True)  # a step took a lookup draft: every step searches again
+    assert all(r.searches(32) for _ in range(5))
+    with pytest.raises(ValueError):
+        LookupRests(after=0)

@@ -142,6 +142,7 @@ class EntMTPProposer(MedusaProposer):
 
         self.recorder = recorder_from_env()  # self-distillation data for train-heads (training/record.py)
         self.scheduler = self.tracker = self.lookup = None
+        self.lookup_rests = None  # with prompt lookup: whether it searches, per batch size (LookupRests)
         self.step_costs: StepCosts | None = None  # load_policy "measured"
         self.refills: Refills | None = None  # with step_costs: whether the batch drains (last_to_finish)
         self._next_costs_log = 0.0  # time.monotonic() after which the step costs are logged (once compared)
@@ -188,13 +189,14 @@ class EntMTPProposer(MedusaProposer):
             self.tracker = EntropyTracker.from_config(spec.entmtp)
             if spec.entmtp.draft_sources != "heads":
                 from vllm_entmtp.load_rules import calibration_of
-                from vllm_entmtp.lookup import PromptLookup, calibrated_prior
+                from vllm_entmtp.lookup import LookupRests, PromptLookup, calibrated_prior
 
                 lo, hi = spec.entmtp_lookup
                 prior, source = calibrated_prior(spec.entmtp.lookup_prior,
                                                  "lookup_prior" in spec.entmtp.model_fields_set,
                                                  calibration_of(tree_set), lo, hi)
                 self.lookup = PromptLookup(lo, hi, max_tokens=spec.entmtp.lookup_tokens, prior=prior)
+                self.lookup_rests = LookupRests()
                 logger.info("entmtp: draft sources %r: prompt lookup of %d-%d tokens, drafts of up to %d tokens, "
                             "prior acceptance %.3f (%s)", spec.entmtp.draft_sources, lo, hi,
                             spec.entmtp.lookup_tokens, prior, source)
@@ -438,8 +440,10 @@ class EntMTPProposer(MedusaProposer):
         explore = resting and costs.needs_exploration(n)  # drafting is measured again (StepCosts)
         rest = resting and not explore
         budget = self.scheduler.node_budget(n)  # draft nodes of the step in all, heads' and lookup's (None: no cap)
-        lookups = {} if probe or rest or self.lookup is None or budget == 0 else self._lookup_drafts(
-            req_ids, budgets, active, forced)
+        # under the measured rule, prompt lookup searches less at a batch size where its drafts keep being declined
+        search = not (probe or rest or self.lookup is None or budget == 0) and (
+            costs is None or not free or self.lookup_rests.searches(n))
+        lookups = self._lookup_drafts(req_ids, budgets, active, forced) if search else {}
         heads_only_lookup = self.spec_config.entmtp.draft_sources == "lookup"
         sure = {i for i, toks in lookups.items()  # lookup drafts no heads' draft could beat
                 if heads_only_lookup or self.lookup.expected(req_ids[i], len(toks))
@@ -512,6 +516,9 @@ class EntMTPProposer(MedusaProposer):
                 costs.record_levels(n, getattr(self.drafter, "levels_run", 0), self.draft_seconds)
         if lookups:
             chosen, drafts = self._weigh_lookup(req_ids, lookups, sure, chosen, drafts, costs, budget)
+        if search and costs is not None and free:
+            self.lookup_rests.record(n, found=bool(lookups),
+                                     taken=any(t == LOOKUP_ID for (t, _), d in zip(chosen, drafts) if d))
         # the heads' yield is kept for steps the load rule judges (not those with a request held to a tree, nor
         # exploring steps: StepCosts.record_heads_yield)
         self._heads_exploring = explore
@@ -636,7 +643,8 @@ class EntMTPProposer(MedusaProposer):
                               drafted=STEP.decode_rows > n)
         if costs is not None and time.monotonic() >= self._next_costs_log and costs.compared():
             self._next_costs_log = time.monotonic() + COSTS_LOG_INTERVAL_S
-            logger.info("entmtp: load: %s", costs.describe())
+            logger.info("entmtp: load: %s%s", costs.describe(), "" if self.lookup_rests is None
+                        else f"; prompt lookup's searches skipped: {self.lookup_rests.rested}")
         if costs is not None and self.heads_ran:
             # what drafting from the heads adds to a step that would run prompt lookup and the tracker anyway
             seconds = self.heads_seconds

@@ -188,3 +188,51 @@ class PromptLookup:
 
     def tracked_ids(self) -> set[str]:
         return set(self._record) | set(self._unsent)
+
+
+#: :class:`LookupRests`: steps in a row at a batch size whose lookup drafts the load rule all declined, after which
+#: the search runs only every :data:`LOOKUP_REST_EVERY` steps there
+LOOKUP_REST_AFTER = 8
+LOOKUP_REST_EVERY = 8
+
+
+class LookupRests:
+    """Whether prompt lookup searches in a step, per batch size, under the measured load rule.
+
+    The search and its weighing run in every step that does not rest (served at 32 running, a few tenths of a ms of
+    a 50-80 ms step), also where the load rule then declines every draft it found: in-process at 32 running on
+    HumanEval (2026-12-05, EPYC), 25-31 requests a step had a lookup draft and no step took one over dozens of
+    steps. After :data:`LOOKUP_REST_AFTER` such steps in a row at a batch size, the search runs every
+    :data:`LOOKUP_REST_EVERY` steps there (their drafts are weighed as usual, and the requests' lookup records go
+    on learning from them), until a step takes a lookup draft again. Steps whose search found nothing do not
+    count either way.
+    """
+
+    def __init__(self, after: int = LOOKUP_REST_AFTER, every: int = LOOKUP_REST_EVERY):
+        if after < 1 or every < 1:
+            raise ValueError(f"LookupRests needs after >= 1 and every >= 1, got {after}, {every}")
+        self.after, self.every = after, every
+        self._declined: dict[int, int] = {}  # batch size -> steps in a row whose lookup drafts were all declined
+        self._waited: dict[int, int] = {}  # batch size -> steps without a search since the last one, while resting
+        self.rested = 0  # steps that did not search (for the log)
+
+    def searches(self, batch_size: int) -> bool:
+        """Whether this step at ``batch_size`` requests searches; counts the step when it does not."""
+        if self._declined.get(batch_size, 0) < self.after:
+            return True
+        waited = self._waited.get(batch_size, 0) + 1
+        if waited >= self.every:
+            self._waited[batch_size] = 0
+            return True
+        self._waited[batch_size] = waited
+        self.rested += 1
+        return False
+
+    def record(self, batch_size: int, found: bool, taken: bool) -> None:
+        """A step at ``batch_size`` searched: whether it ``found`` any lookup draft and whether the step ``taken``
+        one (drafted it)."""
+        if taken:
+            self._declined[batch_size] = 0
+            self._waited[batch_size] = 0
+        elif found:
+            self._declined[batch_size] = self._declined.get(batch_size, 0) + 1

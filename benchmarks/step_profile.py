@@ -2,6 +2,7 @@
 
     python benchmarks/step_profile.py --methods plain,entmtp --concurrency 1
     python benchmarks/step_profile.py --methods plain,entmtp --concurrency 16 --out runs/profile-c16.json
+    python benchmarks/step_profile.py --methods plain,entmtp --repeats 3   # three processes a method, in turns
 
 Each method runs in its own process: an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, compiled as
 ``vllm serve`` runs it unless ``--eager``), float32 unless ``--dtype``, greedy, ``--concurrency`` requests at a time over the prompt
@@ -19,6 +20,11 @@ sample     ``_sample``: sampler, rejection sampler, tree walk, entmtp's entropy 
 propose    ``propose_draft_token_ids``: the drafter (heads, tracker, scheduler, counters)
 bookkeep   ``_bookkeeping_sync``
 ========== =====================================================================================================
+
+The forward's time differs from one engine process to the next (by up to ~1 ms at one request and ~8 ms at 32
+on a 2-core CPU), more than most differences between methods: ``--repeats R`` runs each method in ``R`` processes,
+the methods taking turns, and reports per method and phase the median over its processes of their medians (each
+process's median step is listed under the table).
 
 Phases nest (``forward``, ``logits`` and ``prepare`` are inside ``execute_model``; ``sample`` and ``propose``
 inside ``sample_tokens``), so they do not add up to ``step``. ``rows`` is the mean of verified rows per step
@@ -122,6 +128,26 @@ def split_methods(text: str) -> list[str]:
     return [x.strip() for x in parts]
 
 
+def combine(runs: list[dict]) -> dict:
+    """One method's results from several processes: per phase (and per step kind) the median of the processes'
+    medians; tokens/s and rows their means, steps their sums; ``process_step_ms``: each process's median step."""
+    def med(dicts: list[dict]) -> dict:
+        return {p: round(statistics.median(d[p] for d in dicts), 3) for p in dicts[0]}
+
+    out = dict(runs[0])
+    out.update(tokens_per_s=round(statistics.mean(r["tokens_per_s"] for r in runs), 3),
+               rows=round(statistics.mean(r["rows"] for r in runs), 3),
+               decode_steps=sum(r["decode_steps"] for r in runs), median_ms=med([r["median_ms"] for r in runs]),
+               process_step_ms=[r["median_ms"]["step"] for r in runs])
+    kinds = sorted({k for r in runs for k in r.get("by_kind", {})})
+    out["by_kind"] = {k: {"steps": sum(r["by_kind"][k]["steps"] for r in runs if k in r.get("by_kind", {})),
+                          "rows": round(statistics.mean(r["by_kind"][k]["rows"] for r in runs
+                                                        if k in r.get("by_kind", {})), 3),
+                          "median_ms": med([r["by_kind"][k]["median_ms"] for r in runs if k in r.get("by_kind", {})])}
+                      for k in kinds}
+    return out
+
+
 def format_table(results: list[dict]) -> str:
     """Markdown: one row per method, median ms per phase, and ``(+x)`` against the first method."""
     base = results[0]["median_ms"]
@@ -140,6 +166,9 @@ def format_table(results: list[dict]) -> str:
                 "|---|---|" + "---:|" * (len(phases) + 2)]
         out += [f"| {m} | {k} | {v['steps']} | {v['rows']:.2f} | "
                 + " | ".join(f"{v['median_ms'].get(p, 0.0):.2f}" for p in phases) + " |" for m, k, v in kinds]
+    if any(len(r.get("process_step_ms", [])) > 1 for r in results):
+        out += ["", "Median step of each process (ms): " + "; ".join(
+            f"{r['method']} " + ", ".join(f"{x:.2f}" for x in r["process_step_ms"]) for r in results)]
     return "\n".join(out) + "\n"
 
 
@@ -236,11 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                     help="the target's dtype (measure both float32 and bfloat16: the faster differs by CPU)")
     ap.add_argument("--model", default=None, help="target model folder (default: the prepared default model)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="processes per method, the methods taking turns (medians over the processes)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if min(args.concurrency, args.num_prompts, args.max_tokens) < 1:
-        ap.error("--concurrency, --num-prompts and --max-tokens must be >= 1")
+    if min(args.concurrency, args.num_prompts, args.max_tokens, args.repeats) < 1:
+        ap.error("--concurrency, --num-prompts, --max-tokens and --repeats must be >= 1")
     methods = []
     for m in (x for x in split_methods(args.methods) if x):
         name, eq, js = m.partition("=")
@@ -257,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         name, spec = methods[0]
         print("STEP_PROFILE " + json.dumps(_profile(name, spec, args)), flush=True)
         return 0
-    results = []
-    for name, spec in methods:
+    runs: dict[str, list[dict]] = {name: [] for name, _ in methods}
+    for name, spec in [m for _ in range(args.repeats) for m in methods]:
         cmd = [sys.executable, __file__, "--child", "1", "--methods",
                name if spec is None or METHODS.get(name) == spec else f"{name}={json.dumps(spec)}",
                "--concurrency", str(args.concurrency), "--prompt-set", args.prompt_set,
@@ -268,19 +299,21 @@ def main(argv: list[str] | None = None) -> int:
         line = next((x for x in proc.stdout.splitlines() if x.startswith("STEP_PROFILE ")), None)
         if proc.returncode != 0 or line is None:
             sys.exit(f"{name}: the engine failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        results.append(json.loads(line.split(" ", 1)[1]))
+        res = json.loads(line.split(" ", 1)[1])
+        runs[name].append(res)
         split = ", ".join(f"{k} {v['s']:.2f} s" + (f" ({v['steps']} steps)" if k != "outside" else "")
-                          for k, v in results[-1]["time_split"].items())
-        print(f"{name}: {results[-1]['tokens_per_s']:.2f} tokens/s, {results[-1]['decode_steps']} decode steps; "
-              f"{split}", flush=True)
+                          for k, v in res["time_split"].items())
+        print(f"{name}: {res['tokens_per_s']:.2f} tokens/s, {res['decode_steps']} decode steps; {split}", flush=True)
+    results = [combine(r) if len(r) > 1 else r[0] for r in runs.values()]
     text = (f"{args.prompt_set}, {args.num_prompts} prompts x {args.max_tokens} tokens, concurrency "
-            f"{args.concurrency}, {'eager' if args.eager else 'compiled'}, {args.dtype}; median ms per decode step\n\n"
+            f"{args.concurrency}, {'eager' if args.eager else 'compiled'}, {args.dtype}; median ms per decode step"
+            + (f" (median of {args.repeats} processes' medians)" if args.repeats > 1 else "") + "\n\n"
             + format_table(results))
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"settings": {k: v for k, v in vars(args).items() if k != "child"}, "results": results,
-                       "report": text}, f, indent=2)
+                       "processes": runs, "report": text}, f, indent=2)
     return 0
 
 

@@ -84,3 +84,25 @@ def test_time_split_sorts_every_step_by_kind_and_keeps_the_rest_outside():
                                                       "decode_fewer": 1, "outside": 0}
     assert t["prefill"]["s"] == pytest.approx(0.9) and t["decode_drafting"]["s"] == pytest.approx(0.06)
     assert t["outside"]["s"] == pytest.approx(1.5 - 0.9 - 0.04 - 0.06 - 0.03)
+
+
+def test_processes_of_a_method_combine_by_the_median_of_their_medians():
+    a = sp.summarize([_rec(1, 1, 0, step=40.0, forward=30.0), _rec(1, 3, 2, step=60.0, forward=32.0, heads=1.0)], 1)
+    b = sp.summarize([_rec(1, 1, 0, step=44.0, forward=33.0)], 1)
+    c = sp.summarize([_rec(1, 1, 0, step=41.0, forward=31.0), _rec(1, 1, 0, step=43.0, forward=31.0)], 1)
+    runs = [{"method": "m", "tokens_per_s": t, **s} for t, s in ((10.0, a), (13.0, b), (16.0, c))]
+    m = sp.combine(runs)
+    assert m["process_step_ms"] == [50.0, 44.0, 42.0]
+    assert m["median_ms"]["step"] == pytest.approx(44.0) and m["median_ms"]["forward"] == pytest.approx(31.0)
+    assert m["tokens_per_s"] == pytest.approx(13.0) and m["decode_steps"] == 5
+    # a kind seen in one process only is that process's
+    assert m["by_kind"]["verified drafts + heads"]["steps"] == 1
+    assert m["by_kind"]["verified drafts + heads"]["median_ms"]["heads"] == pytest.approx(1.0)
+    assert m["by_kind"]["no draft tokens"]["steps"] == 4
+    assert m["by_kind"]["no draft tokens"]["median_ms"]["step"] == pytest.approx(42.0)  # 40, 44, 42
+    assert "Median step of each process (ms): m 50.00, 44.00, 42.00" in sp.format_table([m])
+
+
+def test_bad_repeats_are_refused():
+    with pytest.raises(SystemExit):
+        sp.main(["--repeats", "0"])

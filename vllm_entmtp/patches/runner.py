@@ -6,7 +6,7 @@ drafter is not entmtp's runs vLLM's methods unchanged.
 | symbol | change |
 |---|---|
 | ``__init__`` | the ``MedusaProposer`` vLLM built for entmtp's inner method is replaced by :class:`EntMTPProposer`, with a handle on the runner (per-request sampling params), and its rejection sampler may take the all-greedy fast path (:mod:`vllm_entmtp.patches.sampler`); vLLM's own ``medusa`` method keeps its proposer and sampler |
-| ``_prepare_inputs`` | :func:`~vllm_entmtp.step.begin_step`: tree rows get positions root + depth and are recorded for the attention override |
+| ``_prepare_inputs`` | a step in which no request has draft tokens is prepared as without speculation (:func:`prepare_without_drafts`: no ``SpecDecodeMetadata``); :func:`~vllm_entmtp.step.begin_step`: tree rows get positions root + depth and are recorded for the attention override |
 | ``_sample`` | a step without draft tokens is sampled by vLLM's sampler as plain decoding samples it, not by its rejection sampler (:func:`~vllm_entmtp.step.with_draft_tokens`); :func:`~vllm_entmtp.step.verify`: after vLLM's chain sampler, tree requests are verified by a tree walk (greedy) or tree rejection sampling, their accepted path's K/V moves to consecutive slots, and the step's signals are taken |
 | ``propose_draft_token_ids`` | :meth:`~vllm_entmtp.drafter.EntMTPProposer.draft_step`: the heads read the last *accepted* node's hidden state |
 | ``sample_tokens`` | the step's draft tokens ride back on its ``ModelRunnerOutput`` (:func:`~vllm_entmtp.patches.engine_core.attach_drafts`), so that the engine core need not call the workers again for them |
@@ -16,6 +16,36 @@ The attention override is registered here too (``CPU_ATTN`` -> :class:`~vllm_ent
 from __future__ import annotations
 
 import time
+
+import numpy as np
+
+
+def prepare_without_drafts(runner, prepare, scheduler_output, num_scheduled_tokens):
+    """vLLM's ``_prepare_inputs`` (``prepare``) as without speculation, for a step in which no request has draft
+    tokens: no ``SpecDecodeMetadata`` (its index arrays and host-to-device copies, ~0.1 ms a step on a 2-core
+    CPU) and the logits of each request's last row, which is what the speculative path selects for such a step;
+    the sampler then runs as in plain decoding (:func:`~vllm_entmtp.step.with_draft_tokens`).
+
+    vLLM 0.32 decides by ``runner.speculative_config is not None``, so it is None during the call and restored
+    after it. The one thing its speculative path writes besides the metadata, ``num_decode_draft_tokens`` (read
+    by recurrent attention backends such as GDN and Mamba2), is written as that path writes it for a step
+    without draft tokens: 0 for each request that decodes one token after its prompt, -1 for prompt chunks and
+    padding."""
+    spec = runner.speculative_config
+    runner.speculative_config = None
+    try:
+        out = prepare(runner, scheduler_output, num_scheduled_tokens)
+    finally:
+        runner.speculative_config = spec
+    n = runner.input_batch.num_reqs
+    buf = getattr(runner, "num_decode_draft_tokens", None)
+    if buf is not None:
+        ib = runner.input_batch
+        decode = (ib.num_computed_tokens_cpu[:n] >= ib.num_prompt_tokens[:n]) & (num_scheduled_tokens[:n] == 1)
+        buf.np[:n] = np.where(decode, 0, -1)
+        buf.np[n:].fill(-1)
+        buf.copy_to_gpu()
+    return out
 
 
 def apply() -> None:
@@ -49,8 +79,11 @@ def apply() -> None:
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         t0 = time.perf_counter()
-        out = orig_prepare(self, scheduler_output, num_scheduled_tokens)
         drafter = entmtp(self)
+        if drafter is not None and not scheduler_output.scheduled_spec_decode_tokens:
+            out = prepare_without_drafts(self, orig_prepare, scheduler_output, num_scheduled_tokens)
+        else:
+            out = orig_prepare(self, scheduler_output, num_scheduled_tokens)
         if drafter is not None:
             step.begin_step(self, scheduler_output)
             if drafter.step_hook is not None:

@@ -1,7 +1,11 @@
 """vllm_entmtp/patches/runner.py: a step in which no request has draft tokens is prepared as without speculation
-(engines whose output must equal plain decoding's through such steps: tests/test_lossless.py)."""
+(engines whose output must equal plain decoding's through such steps: tests/test_lossless.py); only an entmtp
+runner overrides vLLM's CPU attention (an entmtp engine verifying branching trees through it:
+tests/test_lossless.py)."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -55,3 +59,17 @@ def test_decode_rows_count_zero_draft_tokens_as_vllms_speculative_path_writes_th
     expected = [0, -1, 0, -1, -1, -1]  # then the unused slots
     assert r.num_decode_draft_tokens.np.tolist() == expected
     assert r.num_decode_draft_tokens.gpu.tolist() == expected  # copied to the device, as vLLM's path does
+
+
+def test_the_plugins_patches_leave_vllms_cpu_attention_to_engines_without_entmtp():
+    code = ("from vllm_entmtp.patches import apply_all\n"
+            "apply_all()\n"  # what the plugin does in every process vLLM starts
+            "from vllm.v1.attention.backends.registry import AttentionBackendEnum\n"
+            "print(AttentionBackendEnum.CPU_ATTN.get_path())\n"
+            "from vllm_entmtp.patches.runner import use_tree_attention\n"
+            "use_tree_attention()\n"  # what an entmtp runner's __init__ does
+            "print(AttentionBackendEnum.CPU_ATTN.get_path())\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend",
+                                "vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend"]

@@ -128,8 +128,9 @@ class EntMTPProposer(MedusaProposer):
         self.static_tree_id = getattr(spec, "entmtp_tree_id", None) or "tree"
         self.static_none = False  # a static tree without a top-1 path, where only chains verify: no drafts
         # trees that branch need the tree-attention fix (vLLM's CPU attention, 'vec' layout); elsewhere chains only
-        self.tree_attention = self._tree_attention_available()
-        no_trees = ("entmtp: no tree attention here (it needs vLLM's CPU attention with the 'vec' KV layout%s): "
+        self.tree_attention = self._tree_attention_available(target_model)
+        no_trees = ("entmtp: no tree attention here (it needs vLLM's CPU attention with the 'vec' KV layout, built "
+                    "with the plugin's override%s): "
                     % ("; off by $" + TREE_ATTENTION_ENV if os.environ.get(TREE_ATTENTION_ENV) == "0" else ""))
         if self.static_tree is not None and not self.tree_attention and not self.static_tree.is_chain:
             chain = self.static_tree.top1_chain()
@@ -219,19 +220,24 @@ class EntMTPProposer(MedusaProposer):
         logger.info("entmtp: %d %s MTP heads from %s; drafting %s", heads.num_heads, type(heads).__name__,
                     spec.entmtp_heads, drafting)
 
-    def _tree_attention_available(self) -> bool:
+    def _tree_attention_available(self, target_model: torch.nn.Module) -> bool:
         """Whether branching trees can be verified here: vLLM's CPU attention with the layout the tree fix
-        patches (``patches/tree_attention.py``), unless ``$VLLM_ENTMTP_TREE_ATTENTION=0``."""
+        patches, and every attention layer of the target built with the fix (``patches/tree_attention.py``,
+        registered by the runner patch), unless ``$VLLM_ENTMTP_TREE_ATTENTION=0``."""
         if os.environ.get(TREE_ATTENTION_ENV) == "0":
             return False
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
             return False
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, _get_attn_isa
 
-        from vllm_entmtp.patches.tree_attention import SUPPORTED_ISA
+        from vllm_entmtp.patches.tree_attention import SUPPORTED_ISA, TreeCPUAttentionImpl
 
+        impls = [m.impl for m in target_model.modules()
+                 if isinstance(getattr(m, "impl", None), CPUAttentionBackendImpl)]
+        if not impls or not all(isinstance(i, TreeCPUAttentionImpl) for i in impls):
+            return False
         mc, cc = self.vllm_config.model_config, self.vllm_config.cache_config
         return _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype) == SUPPORTED_ISA
 

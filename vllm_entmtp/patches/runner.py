@@ -11,7 +11,9 @@ drafter is not entmtp's runs vLLM's methods unchanged.
 | ``propose_draft_token_ids`` | :meth:`~vllm_entmtp.drafter.EntMTPProposer.draft_step`: the heads read the last *accepted* node's hidden state |
 | ``sample_tokens`` | the step's draft tokens ride back on its ``ModelRunnerOutput`` (:func:`~vllm_entmtp.patches.engine_core.attach_drafts`), so that the engine core need not call the workers again for them |
 
-The attention override is registered here too (``CPU_ATTN`` -> :class:`~vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend`).
+The attention override is registered here too, by an entmtp runner's ``__init__`` (:func:`use_tree_attention`:
+``CPU_ATTN`` -> :class:`~vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend`): a plain engine, or any
+other method's, runs vLLM's CPU attention without the override's per-layer calls, plugin installed or not.
 """
 from __future__ import annotations
 
@@ -48,9 +50,19 @@ def prepare_without_drafts(runner, prepare, scheduler_output, num_scheduled_toke
     return out
 
 
+def use_tree_attention() -> None:
+    """Register the tree-attention override for vLLM's CPU attention (``CPU_ATTN``) in this process, before the
+    runner builds the model (its attention layers pick their backend then), and drop vLLM's cached backend choice,
+    which an engine built earlier in the process may have made."""
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend")
+    selector._cached_get_attn_backend.cache_clear()
+
+
 def apply() -> None:
     import vllm.v1.worker.gpu_model_runner as gmr
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     from vllm_entmtp import step
     from vllm_entmtp.drafter import EntMTPProposer
@@ -59,7 +71,6 @@ def apply() -> None:
 
     if getattr(gmr, "_entmtp_patched", False):
         return
-    register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend")
     R = gmr.GPUModelRunner
     orig_init, orig_prepare, orig_sample, orig_propose, orig_sample_tokens = (
         R.__init__, R._prepare_inputs, R._sample, R.propose_draft_token_ids, R.sample_tokens)
@@ -72,6 +83,7 @@ def apply() -> None:
         orig_init(self, *args, **kwargs)
         spec = getattr(self, "speculative_config", None)
         if isinstance(getattr(self, "drafter", None), gmr.MedusaProposer) and getattr(spec, "entmtp", None):
+            use_tree_attention()  # before load_model builds the target's attention layers
             self.drafter = EntMTPProposer(vllm_config=self.vllm_config, device=self.device)
             self.drafter.runner = self
             # all-greedy batches skip vLLM's copies of the logits (patches/sampler.py, greedy_verify)

@@ -139,6 +139,13 @@ def combine(runs: list[dict]) -> dict:
                rows=round(statistics.mean(r["rows"] for r in runs), 3),
                decode_steps=sum(r["decode_steps"] for r in runs), median_ms=med([r["median_ms"] for r in runs]),
                process_step_ms=[r["median_ms"]["step"] for r in runs])
+    for key in ("steps", "output_tokens"):
+        if all(key in r for r in runs):
+            out[key] = sum(r[key] for r in runs)
+    if all("time_split" in r for r in runs):
+        out["time_split"] = {k: {"steps": sum(r["time_split"][k]["steps"] for r in runs),
+                                 "s": round(sum(r["time_split"][k]["s"] for r in runs), 3)}
+                             for k in runs[0]["time_split"]}
     kinds = sorted({k for r in runs for k in r.get("by_kind", {})})
     out["by_kind"] = {k: {"steps": sum(r["by_kind"][k]["steps"] for r in runs if k in r.get("by_kind", {})),
                           "rows": round(statistics.mean(r["by_kind"][k]["rows"] for r in runs
@@ -284,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
             methods.append((name, METHODS[name]))
         else:
             ap.error(f"unknown method {name!r}: use {', '.join(METHODS)} or NAME=JSON")
+    names = [name for name, _ in methods]
+    if len(set(names)) < len(names):
+        ap.error(f"--methods: each method needs a name of its own ({', '.join(names)}); use NAME=JSON")
     if args.child is not None:
         name, spec = methods[0]
         print("STEP_PROFILE " + json.dumps(_profile(name, spec, args)), flush=True)

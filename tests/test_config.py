@@ -213,3 +213,13 @@ def test_start_up_explains_vllms_medusa_wording(spec_cls, target_model_config):
         log.setLevel(old_level)
     lines = [r.getMessage() for r in records if "runs inside vLLM" in r.getMessage()]
     assert len(lines) == 1 and "'medusa' method" in lines[0] and "MedusaModel" in lines[0], lines
+
+
+def test_pipeline_parallelism_is_refused_at_start_up(spec_cls, target_model_config):
+    from vllm.config import ParallelConfig
+
+    # the drafter, its tree rows and the tree attention would live on the last stage only
+    with pytest.raises(ValueError, match=r"does not support pipeline parallelism \(pipeline_parallel_size=2\)"):
+        spec_cls(target_model_config=target_model_config,
+                 target_parallel_config=ParallelConfig(pipeline_parallel_size=2), method="entmtp")
+    assert _make(spec_cls, target_model_config, method="entmtp").entmtp is not None  # one stage: served

@@ -68,8 +68,11 @@ def test_the_plugins_patches_leave_vllms_cpu_attention_to_engines_without_entmtp
             "print(AttentionBackendEnum.CPU_ATTN.get_path())\n"
             "from vllm_entmtp.patches.runner import use_tree_attention\n"
             "use_tree_attention()\n"  # what an entmtp runner's __init__ does
+            "print(AttentionBackendEnum.CPU_ATTN.get_path())\n"
+            "use_tree_attention(False)\n"  # a runner without entmtp built next in the same process
             "print(AttentionBackendEnum.CPU_ATTN.get_path())\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.split() == ["vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend",
-                                "vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend"]
+    vllms, ours = ("vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend",
+                   "vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend")
+    assert p.stdout.split() == [vllms, ours, vllms]

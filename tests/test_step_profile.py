@@ -101,8 +101,15 @@ def test_processes_of_a_method_combine_by_the_median_of_their_medians():
     assert m["by_kind"]["no draft tokens"]["steps"] == 4
     assert m["by_kind"]["no draft tokens"]["median_ms"]["step"] == pytest.approx(42.0)  # 40, 44, 42
     assert "Median step of each process (ms): m 50.00, 44.00, 42.00" in sp.format_table([m])
+    split = {"prefill": {"steps": 2, "s": 1.0}, "outside": {"steps": 0, "s": 0.5}}
+    two = sp.combine([{**runs[0], "steps": 9, "output_tokens": 100, "time_split": split},
+                      {**runs[1], "steps": 7, "output_tokens": 90, "time_split": split}])
+    assert (two["steps"], two["output_tokens"]) == (16, 190)
+    assert two["time_split"] == {"prefill": {"steps": 4, "s": 2.0}, "outside": {"steps": 0, "s": 1.0}}
 
 
-def test_bad_repeats_are_refused():
+def test_bad_repeats_and_twice_the_same_method_name_are_refused():
     with pytest.raises(SystemExit):
         sp.main(["--repeats", "0"])
+    with pytest.raises(SystemExit):  # two configs under one name would be taken for repeats of one method
+        sp.main(["--methods", 'plain,entmtp,entmtp={"method": "entmtp", "tree": [[0]]}'])

@@ -222,7 +222,7 @@ class EntMTPProposer(MedusaProposer):
 
     def _tree_attention_available(self, target_model: torch.nn.Module) -> bool:
         """Whether branching trees can be verified here: vLLM's CPU attention with the layout the tree fix
-        patches, and every attention layer of the target built with the fix (``patches/tree_attention.py``,
+        patches, and every layer of the target on vLLM's CPU attention built with the fix (``patches/tree_attention.py``,
         registered by the runner patch), unless ``$VLLM_ENTMTP_TREE_ATTENTION=0``."""
         if os.environ.get(TREE_ATTENTION_ENV) == "0":
             return False

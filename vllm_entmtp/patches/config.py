@@ -161,6 +161,12 @@ def apply() -> None:
         options = parse_entmtp_options(extras, vllm_keys)
         if self.target_model_config is None:
             raise EntMTPConfigError("method 'entmtp' needs the target model's config (target_model_config)")
+        pp = getattr(self.target_parallel_config, "pipeline_parallel_size", 1) or 1
+        if pp > 1:  # the drafter, its tree rows and the tree attention live on the last stage only
+            raise EntMTPConfigError(
+                f"method 'entmtp' does not support pipeline parallelism (pipeline_parallel_size={pp}): the other "
+                "stages would attend causally to tree rows; serve with --pipeline-parallel-size 1 (tensor "
+                "parallelism is supported)")
         heads_dir = resolve_heads(self.model, self.target_model_config)
         heads_cfg = _check_heads_fit(heads_dir, self.target_model_config)
         options = resolve_policy(options, self.num_speculative_tokens is not None, heads_cfg.num_heads)

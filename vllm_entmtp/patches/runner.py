@@ -50,15 +50,28 @@ def prepare_without_drafts(runner, prepare, scheduler_output, num_scheduled_toke
     return out
 
 
-def use_tree_attention() -> None:
-    """Register the tree-attention override for vLLM's CPU attention (``CPU_ATTN``) in this process, before the
-    runner builds the model (its attention layers pick their backend then), and drop vLLM's cached backend choice,
-    which an engine built earlier in the process may have made."""
+#: vLLM's own class for ``CPU_ATTN``, put back for an engine without entmtp built after one with it.
+VLLM_CPU_ATTN = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+TREE_CPU_ATTN = "vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend"
+_cpu_attn = VLLM_CPU_ATTN  # what this process has registered for CPU_ATTN
+
+
+def use_tree_attention(on: bool = True) -> None:
+    """Register the tree-attention override for vLLM's CPU attention (``CPU_ATTN``) in this process (``on``), or put
+    vLLM's class back where the override was registered (not ``on``: an engine without entmtp built after one with
+    it in the same process, e.g. several ``LLM`` objects, must not run the override, which reads the process's one
+    :data:`~vllm_entmtp.step.STEP`). Called by a runner's ``__init__``, before it builds the model (its attention
+    layers pick their backend then; engines already built keep theirs); vLLM's cached backend choice is dropped."""
+    global _cpu_attn
+    want = TREE_CPU_ATTN if on else VLLM_CPU_ATTN
+    if want == _cpu_attn:
+        return
     from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_entmtp.patches.tree_attention.TreeCPUAttentionBackend")
+    register_backend(AttentionBackendEnum.CPU_ATTN, want)
     selector._cached_get_attn_backend.cache_clear()
+    _cpu_attn = want
 
 
 def apply() -> None:
@@ -82,8 +95,9 @@ def apply() -> None:
     def __init__(self, *args, **kwargs):
         orig_init(self, *args, **kwargs)
         spec = getattr(self, "speculative_config", None)
-        if isinstance(getattr(self, "drafter", None), gmr.MedusaProposer) and getattr(spec, "entmtp", None):
-            use_tree_attention()  # before load_model builds the target's attention layers
+        is_entmtp = isinstance(getattr(self, "drafter", None), gmr.MedusaProposer) and getattr(spec, "entmtp", None)
+        use_tree_attention(bool(is_entmtp))  # before load_model builds the target's attention layers
+        if is_entmtp:
             self.drafter = EntMTPProposer(vllm_config=self.vllm_config, device=self.device)
             self.drafter.runner = self
             # all-greedy batches skip vLLM's copies of the logits (patches/sampler.py, greedy_verify)

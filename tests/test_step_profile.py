@@ -108,8 +108,10 @@ def test_processes_of_a_method_combine_by_the_median_of_their_medians():
     assert two["time_split"] == {"prefill": {"steps": 4, "s": 2.0}, "outside": {"steps": 0, "s": 1.0}}
 
 
-def test_bad_repeats_and_twice_the_same_method_name_are_refused():
-    with pytest.raises(SystemExit):
+def test_bad_repeats_and_twice_the_same_method_name_are_refused(capsys):
+    with pytest.raises(SystemExit) as e:
         sp.main(["--repeats", "0"])
-    with pytest.raises(SystemExit):  # two configs under one name would be taken for repeats of one method
+    assert e.value.code == 2 and "--repeats must be >= 1" in capsys.readouterr().err  # argparse's error, no engine
+    with pytest.raises(SystemExit) as e:  # two configs under one name would be taken for repeats of one method
         sp.main(["--methods", 'plain,entmtp,entmtp={"method": "entmtp", "tree": [[0]]}'])
+    assert e.value.code == 2 and "each method needs a name of its own" in capsys.readouterr().err

@@ -98,6 +98,7 @@ def apply() -> None:
         is_entmtp = isinstance(getattr(self, "drafter", None), gmr.MedusaProposer) and getattr(spec, "entmtp", None)
         use_tree_attention(bool(is_entmtp))  # before load_model builds the target's attention layers
         if is_entmtp:
+            step.STEP.reset({})  # nothing of an engine built earlier in the process carries over
             self.drafter = EntMTPProposer(vllm_config=self.vllm_config, device=self.device)
             self.drafter.runner = self
             # all-greedy batches skip vLLM's copies of the logits (patches/sampler.py, greedy_verify)

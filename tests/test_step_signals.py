@@ -20,7 +20,7 @@ def fresh_step():
 def test_a_step_without_draft_tokens(entropy):
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
-    STEP.set_offsets(None, 3)  # with_draft_tokens gave None: one row per request
+    STEP.set_offsets(None, 3)  # no SpecDecodeMetadata (prepare_without_drafts): one row per request
     out = SimpleNamespace(sampled_token_ids=torch.tensor([[4], [7], [9]]))
     ent, accepted = _step_signals(logits, out, entropy)
     assert accepted == [0, 0, 0]

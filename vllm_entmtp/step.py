@@ -237,21 +237,6 @@ def _tree_rows(runner, b: int, draft: Draft, sched, q0: int, tree_attention: boo
 # -- 3. after vLLM's sampler ------------------------------------------------------------------------------------
 
 
-def with_draft_tokens(spec_decode_metadata):
-    """vLLM's ``SpecDecodeMetadata`` of the step, or None where no request of the step has draft tokens.
-
-    With speculative decoding on, vLLM 0.32 builds the metadata every step and samples through its rejection
-    sampler even when nothing was drafted (every step in which the load rule drafts nothing: under load, most
-    of them). Its bonus tokens are then drawn by the same sampler from the same rows as plain decoding's, but on
-    the way the rejection sampler copies the logits (to float32, and for the greedy acceptance kernel): under
-    cProfile, in-process at 32 requests on a 2-core CPU, 0.74 ms a step against the sampler's 0.38 ms. With
-    None, vLLM's ``_sample`` calls its sampler directly, as without speculation; the bookkeeping after it reads
-    one token per request either way."""
-    if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
-        return None
-    return spec_decode_metadata
-
-
 def verify(runner, logits: torch.Tensor, spec_decode_metadata, sampler_output, entropy: bool | None) -> None:
     """After vLLM's sampler: per-request offsets, the tree walks (:func:`_verify_trees`) and, when ``entropy``
     is not None (the drafter tracks signals), the step's signals (the entropy only when ``entropy``)."""
@@ -367,7 +352,8 @@ def _step_signals(logits: torch.Tensor, sampler_output, entropy: bool) -> tuple[
     from vllm_entmtp.entropy import entropy_nats
 
     if not STEP.rows and not STEP.fallback and STEP.offsets is not None and len(STEP.offsets) == len(logits) + 1:
-        # no draft tokens this step (with_draft_tokens): one row and one emitted token per request, none accepted
+        # no draft tokens this step (patches/runner.py: prepare_without_drafts): one row and one emitted token
+        # per request, none accepted
         return (entropy_nats(logits).tolist() if entropy else None), [0] * len(logits)
     emitted = (sampler_output.sampled_token_ids >= 0).sum(dim=1)  # [B]
     accepted = (emitted - 1).clamp(min=0).tolist()

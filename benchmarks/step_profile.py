@@ -61,6 +61,10 @@ def summarize(records: list[dict], concurrency: int) -> dict:
         records: one dict per engine step: phase -> seconds, and ``reqs`` (requests scheduled), ``rows`` (tokens
             scheduled), ``spec`` (draft tokens scheduled).
 
+    Returns ``decode_steps``, ``rows`` (their mean), ``median_ms`` (per phase), and the same by step kind
+    (``by_kind``, :func:`step_kind`) and by rows verified (``by_rows``, keyed by the row count as a string): the
+    target's forward does not grow evenly with its rows (vLLM's CPU GEMMs, ``benchmarks/gemm_rows.py``).
+
     Raises:
         ValueError: no such step.
     """
@@ -71,12 +75,15 @@ def summarize(records: list[dict], concurrency: int) -> dict:
         return {p: round(1000 * statistics.median(r.get(p, 0.0) for r in steps), 3) for p in PHASES + SUB_PHASES}
 
     kinds: dict[str, list[dict]] = {}
+    by_rows: dict[int, list[dict]] = {}
     for r in dec:
         kinds.setdefault(step_kind(r), []).append(r)
+        by_rows.setdefault(r["rows"], []).append(r)
     return {"decode_steps": len(dec), "rows": round(statistics.mean(r["rows"] for r in dec), 3),
             "median_ms": medians(dec),
             "by_kind": {k: {"steps": len(v), "rows": round(statistics.mean(r["rows"] for r in v), 3),
-                            "median_ms": medians(v)} for k, v in sorted(kinds.items())}}
+                            "median_ms": medians(v)} for k, v in sorted(kinds.items())},
+            "by_rows": {str(n): {"steps": len(v), "median_ms": medians(v)} for n, v in sorted(by_rows.items())}}
 
 
 def step_kind(record: dict) -> str:
@@ -152,6 +159,10 @@ def combine(runs: list[dict]) -> dict:
                                                         if k in r.get("by_kind", {})), 3),
                           "median_ms": med([r["by_kind"][k]["median_ms"] for r in runs if k in r.get("by_kind", {})])}
                       for k in kinds}
+    counts = sorted({n for r in runs for n in r.get("by_rows", {})}, key=int)
+    out["by_rows"] = {n: {"steps": sum(r["by_rows"][n]["steps"] for r in runs if n in r.get("by_rows", {})),
+                          "median_ms": med([r["by_rows"][n]["median_ms"] for r in runs if n in r.get("by_rows", {})])}
+                      for n in counts}
     return out
 
 
@@ -173,6 +184,14 @@ def format_table(results: list[dict]) -> str:
                 "|---|---|" + "---:|" * (len(phases) + 2)]
         out += [f"| {m} | {k} | {v['steps']} | {v['rows']:.2f} | "
                 + " | ".join(f"{v['median_ms'].get(p, 0.0):.2f}" for p in phases) + " |" for m, k, v in kinds]
+    by_rows = [(r["method"], n, v) for r in results if len(r.get("by_rows", {})) > 1
+               for n, v in r["by_rows"].items()]
+    if by_rows:  # steps of several row counts: what each costs
+        cols = ("step", "forward", "logits", "sample", "propose")
+        out += ["", "By rows verified (median ms):", "", "| method | rows | steps | " + " | ".join(cols) + " |",
+                "|---|---:|---:|" + "---:|" * len(cols)]
+        out += [f"| {m} | {n} | {v['steps']} | " + " | ".join(f"{v['median_ms'].get(p, 0.0):.2f}" for p in cols)
+                + " |" for m, n, v in by_rows]
     if any(len(r.get("process_step_ms", [])) > 1 for r in results):
         out += ["", "Median step of each process (ms): " + "; ".join(
             f"{r['method']} " + ", ".join(f"{x:.2f}" for x in r["process_step_ms"]) for r in results)]

@@ -40,6 +40,9 @@ def test_summary_splits_steps_by_verified_drafts_and_whether_the_heads_ran():
     assert kinds["no draft tokens"]["median_ms"]["step"] == pytest.approx(41.0)
     assert kinds["verified drafts + heads"]["rows"] == 3.0
     assert kinds["no draft tokens + heads"]["median_ms"]["heads"] == pytest.approx(1.0)
+    rows = sp.summarize(recs, 1)["by_rows"]
+    assert {n: v["steps"] for n, v in rows.items()} == {"1": 3, "3": 2}
+    assert rows["1"]["median_ms"]["step"] == pytest.approx(42.0) and rows["3"]["median_ms"]["step"] == pytest.approx(53.0)
     plain = {"method": "plain", "tokens_per_s": 20.0, "rows": 1.0, "median_ms": dict.fromkeys(sp.PHASES, 10.0),
              "by_kind": {"no draft tokens": {"steps": 9, "rows": 1.0, "median_ms": dict.fromkeys(sp.PHASES, 10.0)}}}
     assert "By step kind" not in sp.format_table([plain])  # no speculative method: no second table
@@ -48,6 +51,10 @@ def test_summary_splits_steps_by_verified_drafts_and_whether_the_heads_ran():
                                                      for k, v in kinds.items()}}
     text = sp.format_table([plain, spec])
     assert "| entmtp | no draft tokens + heads | 1 | 1.00 | 45.00 |" in text
+    assert "By rows verified" not in text  # neither method has steps of several row counts
+    spec["by_rows"] = sp.summarize(recs, 1)["by_rows"]
+    text = sp.format_table([plain, spec])
+    assert "| entmtp | 1 | 3 | 42.00 |" in text and "| entmtp | 3 | 2 | 53.00 |" in text
 
 
 def test_table_gives_each_phase_against_the_first_method():
@@ -101,6 +108,8 @@ def test_processes_of_a_method_combine_by_the_median_of_their_medians():
     assert m["by_kind"]["no draft tokens"]["steps"] == 4
     assert m["by_kind"]["no draft tokens"]["median_ms"]["step"] == pytest.approx(42.0)  # 40, 44, 42
     assert "Median step of each process (ms): m 50.00, 44.00, 42.00" in sp.format_table([m])
+    assert m["by_rows"]["3"] == {"steps": 1, "median_ms": a["by_rows"]["3"]["median_ms"]}  # one process's
+    assert m["by_rows"]["1"]["steps"] == 4 and m["by_rows"]["1"]["median_ms"]["forward"] == pytest.approx(31.0)
     split = {"prefill": {"steps": 2, "s": 1.0}, "outside": {"steps": 0, "s": 0.5}}
     two = sp.combine([{**runs[0], "steps": 9, "output_tokens": 100, "time_split": split},
                       {**runs[1], "steps": 7, "output_tokens": 90, "time_split": split}])

@@ -423,6 +423,48 @@ def test_measured_costs_charge_only_the_drafting_not_yet_spent():
     assert ids(s.choose(["c"], [conf(0.35)], None, cheap, sunk_seconds=0.01)) == ["small"]  # more than measured
 
 
+def _point_costs(step_s: dict[int, float], n: int = 10, draft_s: float = 0.0):
+    """StepCosts with ``n`` observations of each row count (the first one dropped: ``n - 1`` kept)."""
+    from vllm_entmtp.step_costs import StepCosts
+
+    c = StepCosts()
+    for rows, t in step_s.items():
+        for _ in range(n):
+            c.record_rows(rows, t)
+    if draft_s:
+        c.record_draft(1, draft_s)
+    return c
+
+
+def test_measured_costs_step_up_to_a_larger_tree_where_its_step_is_measured_faster():
+    """vLLM's CPU GEMMs can read the weights faster for three to six rows than for two (the 2-core EPYC: a step
+    of 2 rows 20.0 ms, of 3 rows 18.2 ms at one request): an unsure request's chain of one (2 rows) moves up to
+    big (5 rows) where 5 rows are measured 3 % or more below 2 rows, both on their own observations; not where
+    the saving is within that margin, not where either row count has too few observations, not where the head
+    levels the larger tree adds eat the saving, and never for a request that drafts nothing."""
+    from vllm_entmtp.step_costs import POINT_MIN_OBS, STEP_UP_MARGIN
+
+    assert STEP_UP_MARGIN == 0.03
+    s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
+    regime = {1: 0.020, 2: 0.022, 5: 0.019}
+    assert ids(s.choose(["a"], [conf(0.5)], None, _point_costs(regime))) == ["big"]
+    assert s.stats.cost_stepups == 1 and s.expected["a"] == pytest.approx(0.8)  # big's, calibration bin 1
+    close = {1: 0.020, 2: 0.022, 5: 0.022 * (1 - STEP_UP_MARGIN) + 1e-4}
+    assert ids(s.choose(["b"], [conf(0.5)], None, _point_costs(close))) == ["small"]
+    few = _point_costs({1: 0.020, 2: 0.022})
+    for _ in range(POINT_MIN_OBS - 1):
+        few.record_rows(5, 0.019)
+    assert few.measured_time(5) is None and few.measured_time(2) == pytest.approx(0.022)
+    assert ids(s.choose(["c"], [conf(0.5)], None, few)) == ["small"]
+    levels = _point_costs(regime)
+    for _ in range(3):
+        levels.record_levels(1, 0, 0.0002)
+        levels.record_levels(1, 2, 0.0002 + 2 * 0.002)  # big needs two levels beyond the pass: 4 ms more
+    assert ids(s.choose(["d"], [conf(0.5)], None, levels, covered_levels=1)) == ["small"]
+    assert ids(s.choose(["e"], [conf(0.1)], None, _point_costs(regime, draft_s=0.002))) == [None]
+    assert s.stats.cost_stepups == 1
+
+
 def test_a_head_level_is_measured_apart_from_the_drafts_that_need_none():
     from vllm_entmtp.step_costs import StepCosts
 

@@ -376,7 +376,59 @@ class LoadRules:
                 if b < k and nodes[i] > 0:
                     bins[i] = k
                     self.stats.no_draft += 1
+        elif total > 0:
+            self._step_up(bins, nodes, acc, dep, cal_bins, scale, costs, per, beyond)
         return True
+
+    def _step_up(self, bins: list[int], nodes: list[int], acc: list[float], dep: list[int],
+                 cal_bins: list[int | None], scale: list[float], costs: StepCosts, per: float,
+                 beyond: list[int]) -> None:
+        """Move drafting requests up the ladder in place where the step with the larger tree is measured faster.
+
+        The rows' curve never falls (:meth:`StepCosts.curve <vllm_entmtp.step_costs.StepCosts.curve>`), but a
+        step's time can: vLLM's CPU GEMMs read the weights more slowly for one or two rows than for three to six
+        on the 2-core EPYC (2026-12-05, bfloat16, ``benchmarks/gemm_rows.py``: the target's linear layers took
+        11.0 ms at 1 row, 11.4 ms at 2, 9.6 ms at 3), and in-process at one request (``step_profile.py``, mixed
+        prompts) a step that verified 2 rows (a chain of one draft token) took 20.0 ms, one of 3 rows 18.2 ms;
+        the shipped schedule drafted a chain of one in 104 of 262 steps. Where a request's next rung up (more
+        nodes, no fewer expected accepted tokens) gives a row count whose own measured time
+        (:meth:`StepCosts.measured_time <vllm_entmtp.step_costs.StepCosts.measured_time>`), plus the head levels
+        it adds, is :data:`~vllm_entmtp.step_costs.STEP_UP_MARGIN` below the current row count's, the request
+        moves up, the largest saving first, until no move saves. Both row counts must be measured on their own:
+        nothing is interpolated, so only what this machine did decides."""
+        from vllm_entmtp.step_costs import STEP_UP_MARGIN
+
+        k, b_size = len(self.ladder), len(bins)
+        total = sum(nodes)
+        for _ in range(b_size * k):
+            now_rows = costs.measured_time(b_size + total)
+            if now_rows is None:
+                return
+            ranked = sorted(dep, reverse=True)
+            deep, second = ranked[0], (ranked[1] if len(ranked) > 1 else 0)
+            now = now_rows + per * deep
+            best = None
+            for i, b in enumerate(bins):
+                if not 0 < b < k or nodes[i] == 0 or self.ladder[b - 1] is None:
+                    continue
+                n_new = self._nodes[b - 1]
+                a_new = self.expected_accepted(b - 1, cal_bins[i]) * scale[i]
+                if n_new <= nodes[i] or a_new < acc[i]:
+                    continue
+                t = costs.measured_time(b_size + total - nodes[i] + n_new)
+                if t is None:
+                    continue
+                rest = second if dep[i] == deep else deep
+                new = t + per * max(rest, beyond[b - 1])
+                if new <= now * (1.0 - STEP_UP_MARGIN) and (best is None or new < best[0]):
+                    best = (new, i, n_new, a_new)
+            if best is None:
+                return
+            _, i, n_new, a_new = best
+            total += n_new - nodes[i]
+            bins[i] -= 1
+            nodes[i], acc[i], dep[i] = n_new, a_new, beyond[bins[i]]
+            self.stats.cost_stepups += 1
 
     # -- prompt lookup as a second draft source (vllm_entmtp.lookup) ----------------------------------------------
 

@@ -75,6 +75,7 @@ class SchedulerStats:
     switches: int = 0           # a request's signal moved it to another bin
     held_by_hysteresis: int = 0  # the plain mapping said another bin, the margin kept the request where it was
     cost_stepdowns: int = 0     # single-bin steps down by the cost model (load_policy "cost" or "measured")
+    cost_stepups: int = 0       # single-bin steps up to a larger tree measured faster ("measured")
     probes: int = 0             # steps without drafts to measure a plain step of that batch ("measured")
     not_paying: int = 0         # steps without drafts because no draft could pay at that batch ("measured")
     heads_skipped: int = 0      # request-steps whose heads did not run: none of its drafts could pay ("measured")

@@ -156,6 +156,13 @@ YIELD_MAX_AGE = 64
 #: (``benchmarks/results/served-check-2026-12-04/``): hence :meth:`StepCosts.needs_reference`.
 STEP_RATE_MAX_AGE = 128
 
+#: Observations of a row count that :meth:`StepCosts.measured_time` needs to read it on its own.
+POINT_MIN_OBS = 8
+#: A request moves up to a larger tree only where the step with it is measured at least this share faster
+#: (:meth:`~vllm_entmtp.load_rules.LoadRules._step_up`): two row counts' medians of a few steps each differ by a
+#: few per cent with no cause.
+STEP_UP_MARGIN = 0.03
+
 #: Engine steps after a request finished within which a new request must arrive for the batch to count as refilled
 #: (:class:`Refills`). Served on the 2-core EPYC (2026-12-05, HumanEval and GSM8K at 16 running, the benchmark's
 #: client sending its next request as one ends), the next request's prompt ran 0 or 1 steps after the batch shrank.
@@ -637,6 +644,14 @@ class StepCosts:
                 slope = max((med[b] - med[a]) / (b - a), 0.0)
                 out.append(max(med[a] - slope * (a - r), 0.0))
         return out
+
+    def measured_time(self, rows: int) -> float | None:
+        """The row-bound time of a decode step of ``rows`` rows as measured, nothing interpolated: the median of
+        its own observations where it has :data:`POINT_MIN_OBS` of them; None otherwise (seconds)."""
+        obs = self._rows.get(rows)
+        if obs is None or len(obs) < POINT_MIN_OBS:
+            return None
+        return self._medians()[rows]
 
     def draft_time(self, batch_size: int) -> float:
         """Drafting time for ``batch_size`` requests (seconds; :meth:`record_draft`): the median at the nearest

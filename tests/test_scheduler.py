@@ -890,6 +890,32 @@ def test_a_verdict_that_drafting_loses_lapses_as_its_steps_age():
     assert c.step_rates(1) == pytest.approx((2 / 0.013, 1 / 0.011)) and not c.drafting_loses(1)
 
 
+def test_a_verdict_that_drafting_loses_lapses_once_the_requests_it_judged_have_finished():
+    """The drafted steps of a batch size leave the realised comparison once as many requests as that batch size
+    have finished since each was recorded: at one request, a loss read on one request's drafts does not keep the
+    next request from drafting; at 4 requests it stands until 4 have finished. The steps without drafts age by
+    steps only."""
+    from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, COMPARE_MIN_PLAIN, StepCosts
+
+    c = StepCosts()
+    for b in (1, 4):
+        for _ in range(COMPARE_MIN_DRAFTING + 1):  # drafts rejected: 1 token a request in 13 ms
+            c.tick()
+            c.record_step(b, b, 0.013, drafted=True)
+        for _ in range(COMPARE_MIN_PLAIN + 1):  # steps without drafts: 1 token a request in 11 ms
+            c.tick()
+            c.record_step(b, b, 0.011, drafted=False)
+    assert c.drafting_loses(1) and c.drafting_loses(4)
+    c.tick(finished=1)  # the request of the batch of one finished (or one of the four)
+    assert c.step_rates(1) is None and not c.drafting_loses(1)
+    assert c.drafting_loses(4) and c.step_rates(4)[1] == pytest.approx(4 / 0.011)
+    c.tick(finished=2)
+    assert c.drafting_loses(4)
+    c.tick(finished=1)  # four finished since the drafted steps at 4: the plain ones are kept
+    assert c.step_rates(4) is None and not c.drafting_loses(4)
+    assert len(c._steps[False][4]) == COMPARE_MIN_PLAIN
+
+
 def test_steps_without_drafts_are_asked_for_where_drafted_ones_have_no_recent_reference():
     """needs_reference: where a batch size (or one within a quarter of it) has COMPARE_MIN_DRAFTING recent drafted
     steps and none has COMPARE_MIN_PLAIN recent steps without drafts, the next steps draft nothing, until the

@@ -638,7 +638,9 @@ class EntMTPProposer(MedusaProposer):
                               bonus=bonus)
         costs = self.step_costs
         if costs is not None:
-            costs.tick()  # the heads' yield and the decode steps' rates age by the drafter's steps
+            # the heads' yield and the decode steps' rates age by the drafter's steps, the drafted ones also by the
+            # requests that finish
+            costs.tick(len(scheduler_output.finished_req_ids))
             self.refills.step(len(scheduler_output.scheduled_new_reqs), len(scheduler_output.finished_req_ids),
                               len(scheduler_output.scheduled_cached_reqs.req_ids))
         # a decode step: what it emitted against what it took, for the load rule's realised comparison; not where a

@@ -9,7 +9,9 @@ Load (the bin a request's signal holds is never changed by any of these):
    level the drafts run after the choice; :meth:`LoadRules._fit_measured`) steps
    requests down the ladder, the one giving up the fewest expected accepted tokens per second of step time saved
    first, while that gives up fewer than the step's tokens per second; then, if a step without drafts is faster
-   per token, nobody drafts. :meth:`TreeScheduler.drafting_pays` tells the drafter before it runs the heads
+   per token, nobody drafts; else requests move up the ladder where the step with the larger tree is measured
+   faster (:meth:`LoadRules._step_up`: a step's time need not grow with its rows).
+   :meth:`TreeScheduler.drafting_pays` tells the drafter before it runs the heads
    whether any draft could pay at this batch size. Until the costs for a batch size are measured, the cap
    (rule 2, with its default of 32) applies instead; a cap the user gives applies after this rule.
 

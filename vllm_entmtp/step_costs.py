@@ -62,7 +62,8 @@ context, so on long chat prompts it costs far more than on short code prompts) a
 text is not like the calibration's. :meth:`StepCosts.record_step` keeps, per batch size, what each decode step
 emitted (one token per request plus its accepted draft tokens) and took (from its inputs to the end of its
 drafting), apart for steps that verified draft tokens and steps that verified none (not the steps in which a
-request held itself to a tree), among the last :data:`STEP_RATE_MAX_AGE` engine steps; where the former have not
+request held itself to a tree), among the last :data:`STEP_RATE_MAX_AGE` engine steps (a drafted step also leaves
+once as many requests as its batch size have finished since: :meth:`StepCosts.tick`); where the former have not
 emitted :data:`COMPARE_MARGIN` more tokens per second (:meth:`StepCosts.drafting_loses`; a tie costs what single
 steps do not show), the drafter drafts nothing at that batch size,
 runs neither prompt lookup nor the heads, and explores as above (2026-12-02, served, ShareGPT, 16 running,
@@ -342,10 +343,12 @@ class StepCosts:
         requests it announced finished. The steps that verified draft tokens at a batch size are dropped from the
         realised comparison once as many requests as that batch size have finished since (:meth:`record_step`):
         what they emitted was the text of requests no longer running. In-process at one request
-        (2026-12-05, bfloat16, 16 mixed prompts of 64 tokens one after another), a loss read on one request's
-        drafts, some of them slowed by the machine (26-29 ms against 18-19 ms), kept the next requests from
-        drafting for 46-61 steps; the steps without drafts, whose rate depends on the batch and its contexts
-        rather than on the text, age by steps only. The heads' yield
+        (2026-12-05, bfloat16, 16 mixed prompts of 64 tokens one after another, each 30-64 steps), a loss read on
+        drafted steps that then stopped changing (most drafts rejected, several steps slowed to 26-29 ms
+        against 18-19 ms) kept the drafter resting for 46 and 61 steps of about 550 (two runs), and runs had 62
+        and 134 steps without drafts where others had 20-26 (``benchmarks/results/small-rows-epyc-2026-12-05/``);
+        the steps without drafts, whose rate depends on the batch and its contexts rather than on the text, age
+        by steps only. The heads' yield
         observations and the realised comparison's decode steps age by these engine steps; those older than
         :data:`YIELD_MAX_AGE` and :data:`STEP_RATE_MAX_AGE` of them are dropped (each batch size's are kept in the
         order they came, so the oldest are on the left), and so do the row counts' observations

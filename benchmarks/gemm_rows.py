@@ -6,7 +6,8 @@
 A decode step's forward multiplies every verified row by every weight of the target: at a few rows it is bound by
 reading the weights from memory, at many by arithmetic. Where it changes, and how, depends on the CPU and on the
 kernel oneDNN picks for the row count: on the 2-core AMD EPYC with AVX-512 BF16 (2026-12-05, bfloat16, SmolLM2-135M's
-shapes) 1 row took 11.0 ms, 2 rows 11.4 ms, 3 to 6 rows 9.2-9.6 ms, then about 0.55 ms a row. The load rule reads
+shapes, ``benchmarks/results/small-rows-epyc-2026-12-05/gemm-rows.json``) 1 row took 9.8 ms, 2 rows 10.6 ms,
+3 to 6 rows 8.5-8.9 ms, then about 0.5 ms a row from 8 rows on. The load rule reads
 such steps from the engine's own measurements (``vllm_entmtp/step_costs.py``, ``LoadRules._step_up``); this
 script shows the kernel's part alone, so that a step profile's ``by rows`` table can be read against it.
 

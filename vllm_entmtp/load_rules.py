@@ -390,7 +390,7 @@ class LoadRules:
         The rows' curve never falls (:meth:`StepCosts.curve <vllm_entmtp.step_costs.StepCosts.curve>`), but a
         step's time can: vLLM's CPU GEMMs read the weights more slowly for one or two rows than for three to six
         on the 2-core EPYC (2026-12-05, bfloat16, ``benchmarks/gemm_rows.py``: the target's linear layers took
-        11.0 ms at 1 row, 11.4 ms at 2, 9.6 ms at 3), and in-process at one request (``step_profile.py``, mixed
+        9.8 ms at 1 row, 10.6 ms at 2, 8.5-8.9 ms at 3 to 6), and in-process at one request (``step_profile.py``, mixed
         prompts) a step that verified 2 rows (a chain of one draft token) took 20.0 ms, one of 3 rows 18.2 ms;
         the shipped schedule drafted a chain of one in 104 of 262 steps. Where a request's next rung up (more
         nodes, no fewer expected accepted tokens) gives a row count whose own measured time

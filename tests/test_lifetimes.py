@@ -46,3 +46,21 @@ def test_a_name_is_registered_once():
     lt.add("pending", dict)
     with pytest.raises(ValueError, match="'pending' is registered already"):
         lt.add("pending", dict)
+
+
+def test_the_drafter_counts_the_requests_that_left_between_its_steps():
+    """The load rule's realised comparison ages drafted steps by the requests that left; vLLM announces a finish
+    in the next step, which skips the runner where nothing else runs, so the drafter counts the requests missing
+    from the runner's at its next step instead."""
+    from types import SimpleNamespace
+
+    from vllm_entmtp.drafter import EntMTPProposer
+
+    d = SimpleNamespace(_live_seen=None, _departed=0, lifetimes=Lifetimes())
+    EntMTPProposer.free_missing(d, {"a": 0, "b": 0})
+    assert d._departed == 0  # the first step: nobody left
+    EntMTPProposer.free_missing(d, {"b": 0, "c": 0})  # a left, c arrived
+    EntMTPProposer.free_missing(d, {"b": 0, "c": 0})
+    assert d._departed == 1
+    EntMTPProposer.free_missing(d, [])
+    assert d._departed == 3

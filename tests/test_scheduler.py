@@ -461,8 +461,23 @@ def test_measured_costs_step_up_to_a_larger_tree_where_its_step_is_measured_fast
         levels.record_levels(1, 0, 0.0002)
         levels.record_levels(1, 2, 0.0002 + 2 * 0.002)  # big needs two levels beyond the pass: 4 ms more
     assert ids(s.choose(["d"], [conf(0.5)], None, levels, covered_levels=1)) == ["small"]
-    assert ids(s.choose(["e"], [conf(0.1)], None, _point_costs(regime, draft_s=0.002))) == [None]
     assert s.stats.cost_stepups == 1
+    # two requests: the one that drafts nothing stays so; of two chains of one (4 rows) one moves up to big (7
+    # rows, measured faster), the other not (10 rows, dearer than 7); with 2 ms a head level, big's two more levels
+    # cost more than 7 rows save
+    pair = _point_costs({2: 0.020, 3: 0.022, 6: 0.019}, draft_s=0.002)
+    assert ids(s.choose(["e", "f"], [conf(0.5), conf(0.1)], None, pair)) == ["big", None]
+    both = {2: 0.020, 4: 0.022, 7: 0.019, 10: 0.025}
+    assert ids(s.choose(["g", "h"], [conf(0.5), conf(0.5)], None, _point_costs(both))) == ["big", "small"]
+    deep = _point_costs(both)
+    for _ in range(3):
+        deep.record_levels(2, 0, 0.0002)
+        deep.record_levels(2, 2, 0.0002 + 2 * 0.002)
+    assert ids(s.choose(["i", "j"], [conf(0.5), conf(0.5)], None, deep, covered_levels=1)) == ["small", "small"]
+    # where a request takes its prompt-lookup draft (skip), its rows are not in the counts: no step-up
+    lookup = _point_costs({2: 0.020, 3: 0.022, 6: 0.019})  # without the skip, k would move up (3 -> 6 rows)
+    assert ids(s.choose(["k", "l"], [conf(0.5), conf(0.5)], None, lookup, skip=[1])) == ["small", None]
+    assert s.stats.cost_stepups == 3
 
 
 def test_a_head_level_is_measured_apart_from_the_drafts_that_need_none():
@@ -914,6 +929,13 @@ def test_a_verdict_that_drafting_loses_lapses_once_the_requests_it_judged_have_f
     c.tick(finished=1)  # four finished since the drafted steps at 4: the plain ones are kept
     assert c.step_rates(4) is None and not c.drafting_loses(4)
     assert len(c._steps[False][4]) == COMPARE_MIN_PLAIN
+    for _ in range(COMPARE_MIN_DRAFTING):  # the text now running at 4: drafted steps after those finishes stay
+        c.tick()
+        c.record_step(4, 8, 0.013, drafted=True)
+    c.tick(finished=3)
+    assert c.step_rates(4) == pytest.approx((8 / 0.013, 4 / 0.011)) and not c.drafting_loses(4)
+    c.tick(finished=1)
+    assert c.step_rates(4) is None
 
 
 def test_steps_without_drafts_are_asked_for_where_drafted_ones_have_no_recent_reference():

@@ -117,6 +117,7 @@ class EntMTPProposer(MedusaProposer):
         self._warned: set[str] = set()
         self._req_options: dict[str, tuple] = {}  # request -> _options()
         self._live_seen: frozenset | None = None  # the runner's requests at the last free_missing that ran
+        self._departed = 0  # requests that left the runner (finished, aborted) since the last step costs ticked
         self.faults_logged: set[str] = set()  # stages whose first fault was logged (fault())
         self.tree_stats = TreeStats()
         # under tensor parallelism every rank drafts the same; rank 0 alone publishes (the counters once)
@@ -639,8 +640,10 @@ class EntMTPProposer(MedusaProposer):
         costs = self.step_costs
         if costs is not None:
             # the heads' yield and the decode steps' rates age by the drafter's steps, the drafted ones also by the
-            # requests that finish
-            costs.tick(len(scheduler_output.finished_req_ids))
+            # requests that left (counted by free_missing: vLLM announces a finish in the next step, which skips the
+            # runner where nothing else runs, as between one request and the next at one request at a time)
+            costs.tick(self._departed)
+            self._departed = 0
             self.refills.step(len(scheduler_output.scheduled_new_reqs), len(scheduler_output.finished_req_ids),
                               len(scheduler_output.scheduled_cached_reqs.req_ids))
         # a decode step: what it emitted against what it took, for the load rule's realised comparison; not where a
@@ -679,6 +682,8 @@ class EntMTPProposer(MedusaProposer):
         live = live_req_ids.keys() if isinstance(live_req_ids, dict) else set(live_req_ids)
         if live == self._live_seen:
             return
+        if self._live_seen is not None:  # the load rule's realised comparison ages its drafted steps by these
+            self._departed += len(self._live_seen - set(live))
         self.lifetimes.free_missing(live)
         self._live_seen = frozenset(live)
 

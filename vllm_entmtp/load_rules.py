@@ -284,7 +284,8 @@ class LoadRules:
         return max(tree.depth - covered_levels, 0) if tree is not None and tree.num_nodes else 0
 
     def _fit_measured(self, bins: list[int], cal_bins: list[int | None], costs: StepCosts,
-                      scale: list[float] | None = None, sunk: float = 0.0, covered_levels: int = 0) -> bool:
+                      scale: list[float] | None = None, sunk: float = 0.0, covered_levels: int = 0,
+                      step_up: bool = True) -> bool:
         """Step bins down in place while a step down gives up fewer expected tokens per second saved than the
         step's tokens per second, on measured step costs (:class:`~vllm_entmtp.step_costs.StepCosts`); then, if
         a step without drafts is faster per token still, no request drafts. False (nothing changed) when the
@@ -378,7 +379,7 @@ class LoadRules:
                 if b < k and nodes[i] > 0:
                     bins[i] = k
                     self.stats.no_draft += 1
-        elif total > 0:
+        elif total > 0 and step_up:
             self._step_up(bins, nodes, acc, dep, cal_bins, scale, costs, per, beyond)
         return True
 
@@ -388,8 +389,8 @@ class LoadRules:
         """Move drafting requests up the ladder in place where the step with the larger tree is measured faster.
 
         The rows' curve never falls (:meth:`StepCosts.curve <vllm_entmtp.step_costs.StepCosts.curve>`), but a
-        step's time can: vLLM's CPU GEMMs read the weights more slowly for one or two rows than for three to six
-        on the 2-core EPYC (2026-12-05, bfloat16, ``benchmarks/gemm_rows.py``: the target's linear layers took
+        step's time can: vLLM's CPU GEMMs took longer for one or two rows than for three to six on the 2-core
+        EPYC (2026-12-05, bfloat16, ``benchmarks/gemm_rows.py``: the target's linear layers took
         9.8 ms at 1 row, 10.6 ms at 2, 8.5-8.9 ms at 3 to 6), and in-process at one request (``step_profile.py``, mixed
         prompts) a step that verified 2 rows (a chain of one draft token) took 20.0 ms, one of 3 rows 18.2 ms;
         the shipped schedule drafted a chain of one in 104 of 262 steps. Where a request's next rung up (more
@@ -397,7 +398,12 @@ class LoadRules:
         (:meth:`StepCosts.measured_time <vllm_entmtp.step_costs.StepCosts.measured_time>`), plus the head levels
         it adds, is :data:`~vllm_entmtp.step_costs.STEP_UP_MARGIN` below the current row count's, the request
         moves up, the largest saving first, until no move saves. Both row counts must be measured on their own:
-        nothing is interpolated, so only what this machine did decides."""
+        nothing is interpolated, so only what this machine did decides. Not in a step where some requests take
+        prompt-lookup drafts instead (:meth:`~vllm_entmtp.scheduler.TreeScheduler.choose`'s ``skip``): their rows
+        are not counted here, so the row counts compared would not be the step's. The rows table mixes batch
+        sizes (3 rows: one request with two draft tokens, or three without), and once the step-up has replaced
+        a row count its observations age out (:data:`~vllm_entmtp.step_costs.ROWS_MAX_AGE`) and the step-up
+        stops until it is measured again."""
         from vllm_entmtp.step_costs import STEP_UP_MARGIN
 
         k, b_size = len(self.ladder), len(bins)

@@ -310,7 +310,8 @@ class TreeScheduler(LoadRules):
         if self.measured and bins:
             cal = [self.calibration_bin(self.signal_value(s)) for s in signals]
             fitted = costs is not None and self._fit_measured(
-                bins, cal, costs, [self.acceptance_ratio(r) for r in req_ids], sunk_seconds, covered_levels)
+                bins, cal, costs, [self.acceptance_ratio(r) for r in req_ids], sunk_seconds, covered_levels,
+                step_up=not skip)
             if not fitted and budget_nodes is None:
                 budget_nodes = node_budget(len(bins), DEFAULT_MAX_VERIFY_TOKENS)
         if budget_nodes is not None:

@@ -340,15 +340,17 @@ class StepCosts:
 
     def tick(self, finished: int = 0) -> None:
         """An engine step in which the drafter ran (any batch size, prompt chunks or not), ``finished``: the
-        requests it announced finished. The steps that verified draft tokens at a batch size are dropped from the
-        realised comparison once as many requests as that batch size have finished since (:meth:`record_step`):
-        what they emitted was the text of requests no longer running. In-process at one request
-        (2026-12-05, bfloat16, 16 mixed prompts of 64 tokens one after another, each 30-64 steps), a loss read on
-        drafted steps that then stopped changing (most drafts rejected, several steps slowed to 26-29 ms
-        against 18-19 ms) kept the drafter resting for 46 and 61 steps of about 550 (two runs), and runs had 62
-        and 134 steps without drafts where others had 20-26 (``benchmarks/results/small-rows-epyc-2026-12-05/``);
-        the steps without drafts, whose rate depends on the batch and its contexts rather than on the text, age
-        by steps only. The heads' yield
+        requests that left the runner since the last call (finished or aborted; the drafter counts them, as vLLM
+        announces a finish in the next step, which skips the runner where nothing else runs). The steps that
+        verified draft tokens at a batch size are dropped from the realised comparison once as many requests as that
+        batch size have finished since (:meth:`record_step`): what they emitted was the text of requests no longer
+        running. In-process at one request (2026-12-05, bfloat16, 16 mixed prompts of 64 tokens one after another,
+        each 30-64 steps), a loss read on drafted steps that then stopped changing (most drafts rejected, several
+        steps slowed to 26-29 ms against 18-19 ms) kept the drafter resting for 46 and 61 steps of about 550 (two
+        traced runs, the trace not kept), and runs had 62 and 134 steps without drafts where others had 20-26
+        (``benchmarks/results/small-rows-epyc-2026-12-05/``); the steps without drafts, whose rate depends on the
+        batch and its contexts rather than on the text, age by steps only.
+        The heads' yield
         observations and the realised comparison's decode steps age by these engine steps; those older than
         :data:`YIELD_MAX_AGE` and :data:`STEP_RATE_MAX_AGE` of them are dropped (each batch size's are kept in the
         order they came, so the oldest are on the left), and so do the row counts' observations

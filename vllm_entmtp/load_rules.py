@@ -56,7 +56,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-from vllm_entmtp.step_costs import StepCosts, drafts_behind
+from vllm_entmtp.step_costs import STEP_UP_MARGIN, StepCosts, drafts_behind
 from vllm_entmtp.trees import Tree, TreeSet
 
 DEFAULT_DECODE_ROW_COST = 0.067
@@ -380,12 +380,11 @@ class LoadRules:
                     bins[i] = k
                     self.stats.no_draft += 1
         elif total > 0 and step_up:
-            self._step_up(bins, nodes, acc, dep, cal_bins, scale, costs, per, beyond)
+            self._step_up(bins, nodes, acc, dep, costs, per, rung)
         return True
 
-    def _step_up(self, bins: list[int], nodes: list[int], acc: list[float], dep: list[int],
-                 cal_bins: list[int | None], scale: list[float], costs: StepCosts, per: float,
-                 beyond: list[int]) -> None:
+    def _step_up(self, bins: list[int], nodes: list[int], acc: list[float], dep: list[int], costs: StepCosts,
+                 per: float, rung) -> None:
         """Move drafting requests up the ladder in place where the step with the larger tree is measured faster.
 
         The rows' curve never falls (:meth:`StepCosts.curve <vllm_entmtp.step_costs.StepCosts.curve>`), but a
@@ -403,9 +402,8 @@ class LoadRules:
         are not counted here, so the row counts compared would not be the step's. The rows table mixes batch
         sizes (3 rows: one request with two draft tokens, or three without), and once the step-up has replaced
         a row count its observations age out (:data:`~vllm_entmtp.step_costs.ROWS_MAX_AGE`) and the step-up
-        stops until it is measured again."""
-        from vllm_entmtp.step_costs import STEP_UP_MARGIN
-
+        stops until it is measured again. ``rung(i, b)``: request ``i``'s nodes, expected accepted tokens and head
+        levels beyond the confidence pass at ladder bin ``b`` (:meth:`_fit_measured`'s)."""
         k, b_size = len(self.ladder), len(bins)
         total = sum(nodes)
         for _ in range(b_size * k):
@@ -419,23 +417,22 @@ class LoadRules:
             for i, b in enumerate(bins):
                 if not 0 < b < k or nodes[i] == 0 or self.ladder[b - 1] is None:
                     continue
-                n_new = self._nodes[b - 1]
-                a_new = self.expected_accepted(b - 1, cal_bins[i]) * scale[i]
+                n_new, a_new, d_new = rung(i, b - 1)
                 if n_new <= nodes[i] or a_new < acc[i]:
                     continue
                 t = costs.measured_time(b_size + total - nodes[i] + n_new)
                 if t is None:
                     continue
                 rest = second if dep[i] == deep else deep
-                new = t + per * max(rest, beyond[b - 1])
+                new = t + per * max(rest, d_new)
                 if new <= now * (1.0 - STEP_UP_MARGIN) and (best is None or new < best[0]):
-                    best = (new, i, n_new, a_new)
+                    best = (new, i, n_new, a_new, d_new)
             if best is None:
                 return
-            _, i, n_new, a_new = best
+            _, i, n_new, a_new, d_new = best
             total += n_new - nodes[i]
             bins[i] -= 1
-            nodes[i], acc[i], dep[i] = n_new, a_new, beyond[bins[i]]
+            nodes[i], acc[i], dep[i] = n_new, a_new, d_new
             self.stats.cost_stepups += 1
 
     # -- prompt lookup as a second draft source (vllm_entmtp.lookup) ----------------------------------------------

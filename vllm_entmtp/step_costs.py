@@ -349,9 +349,8 @@ class StepCosts:
         steps slowed to 26-29 ms against 18-19 ms) kept the drafter resting for 46 and 61 steps of about 550 (two
         traced runs, the trace not kept), and runs had 62 and 134 steps without drafts where others had 20-26
         (``benchmarks/results/small-rows-epyc-2026-12-05/``); the steps without drafts, whose rate depends on the
-        batch and its contexts rather than on the text, age by steps only.
-        The heads' yield
-        observations and the realised comparison's decode steps age by these engine steps; those older than
+        batch and its contexts rather than on the text, age by steps only. The heads' yield observations and the
+        realised comparison's decode steps age by these engine steps; those older than
         :data:`YIELD_MAX_AGE` and :data:`STEP_RATE_MAX_AGE` of them are dropped (each batch size's are kept in the
         order they came, so the oldest are on the left), and so do the row counts' observations
         (:data:`ROWS_MAX_AGE`; a row count with none left is not measured)."""

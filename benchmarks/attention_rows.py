@@ -1,0 +1,156 @@
+"""What a draft row's attention costs: vLLM's CPU attention kernel by query rows per request and context length.
+
+    python benchmarks/attention_rows.py                   # 16 requests, 1-4 rows each, contexts of 300 and 1,000
+    python benchmarks/attention_rows.py --requests 1,16,32 --rows 1-4,8 --contexts 250,1000 --out runs/attn.json
+
+A request that verifies ``k`` draft tokens sends ``k + 1`` query rows through every attention layer of the target,
+each attending to the request's whole context. How much a row beyond the first costs decides, beside the linear
+layers (``benchmarks/gemm_rows.py``), what a draft row costs a step at 16 or 32 running requests, where drafting
+has to pay for every row. This script times vLLM's kernel (``cpu_attention_with_kv_cache``, what vLLM's CPU
+attention backend and entmtp's override of it run) alone, on a paged KV cache of the target's shape, one call per
+layer as a step makes them, with the same scheduler metadata per pass (built once per step, as the backend does).
+
+On the 2-core AMD EPYC with AVX-512 BF16 (2026-12-05, bfloat16, SmolLM2-135M's 30 layers, 2 threads,
+``benchmarks/results/row-costs-epyc-2026-12-05/``), in three runs at 16 requests a request's second row added
+57-82 % of what its first row's attention took (0.35-0.53 ms a row over all layers at 300 tokens of context,
+1.0-1.4 ms at 1,000: more than the linear layers' 0.5 ms a row), a third row 37-79 % of what the second added, a
+fourth at most 3 % more, and 8 rows 2.8-3.1x one row: as if the kernel read a request's context again for its
+draft rows (its source not read), so on long contexts a draft row's attention is most of what the row costs.
+
+The KV cache holds random values (the time does not depend on them), one cache per layer as in the engine (so a
+step reads every layer's context from memory); contexts are equal across requests.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemm_rows import parse_rows  # noqa: E402
+
+
+def parse_counts(text: str, option: str) -> list[int]:
+    """:func:`gemm_rows.parse_rows` for ``--<option>``: ``"1-4,8"`` -> ``[1, 2, 3, 4, 8]``."""
+    try:
+        return parse_rows(text)
+    except ValueError as e:
+        raise ValueError(str(e).replace("--rows:", f"--{option}:")) from None
+
+
+def attention_shape(config: dict) -> tuple[int, int, int, int]:
+    """``(num_heads, num_kv_heads, head_dim, num_layers)`` of a transformers ``config.json``."""
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return heads, kv, head_dim, config["num_hidden_layers"]
+
+
+def batch_layout(requests: int, rows: int, context: int, block_size: int) -> dict:
+    """One decode step's layout: ``requests`` requests of ``rows`` query rows each (the root and its draft rows),
+    after ``context`` tokens. Returns ``query_start_loc`` and ``seq_lens`` (context plus rows, the rows' own K/V
+    written as the step does) and ``block_table`` (each request's blocks, consecutive; ``num_blocks`` in all)."""
+    if requests < 1 or rows < 1 or context < 0 or block_size < 1:
+        raise ValueError("requests, rows and block_size must be >= 1, context >= 0")
+    per = -(-(context + rows) // block_size)
+    return {"query_start_loc": [i * rows for i in range(requests + 1)],
+            "seq_lens": [context + rows] * requests,
+            "block_table": [list(range(b * per, (b + 1) * per)) for b in range(requests)],
+            "num_blocks": requests * per}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="target model folder (default: the prepared default model)")
+    ap.add_argument("--requests", default="16", help="requests per step, e.g. 1,16,32")
+    ap.add_argument("--rows", default="1-4", help="query rows per request (1 + draft tokens), e.g. 1-4,8")
+    ap.add_argument("--contexts", default="300,1000", help="tokens of context per request, e.g. 250,1000")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    ap.add_argument("--block-size", type=int, default=128, help="KV cache block size (vLLM's CPU default: 128)")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    try:
+        requests, rows, contexts = (parse_counts(getattr(args, k), k) for k in ("requests", "rows", "contexts"))
+    except ValueError as e:
+        ap.error(str(e))
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from vllm_entmtp.models import prepare_default_model
+
+    folder = Path(args.model) if args.model else prepare_default_model()
+    heads, kv_heads, head_dim, layers = attention_shape(json.loads((folder / "config.json").read_text()))
+    dtype = getattr(torch, args.dtype)
+    isa = _get_attn_isa(dtype, args.block_size, head_dim, "auto")
+    bs = args.block_size
+    results = []
+    for n in requests:
+        for ctx in contexts:
+            big = batch_layout(n, max(rows), ctx, bs)
+            # one cache per layer, as the engine holds them: a step reads each layer's from memory
+            caches = [torch.randn(big["num_blocks"], kv_heads, bs * 2, head_dim, dtype=dtype).chunk(2, dim=2)
+                      for _ in range(layers)]
+            calls = {}
+            for r in rows:
+                lay = batch_layout(n, r, ctx, bs)
+                qsl = torch.tensor(lay["query_start_loc"], dtype=torch.int32)
+                seq_lens = torch.tensor(lay["seq_lens"], dtype=torch.int32)
+                width = max(len(b) for b in lay["block_table"])
+                table = torch.tensor([b + [0] * (width - len(b)) for b in lay["block_table"]], dtype=torch.int32)
+                query = torch.randn(n * r, heads, head_dim, dtype=dtype)
+                calls[r] = (qsl, seq_lens, table, query, torch.empty_like(query))
+
+            def step(r: int) -> None:
+                qsl, seq_lens, table, query, out = calls[r]
+                meta = ops.cpu_attn_get_scheduler_metadata(
+                    num_reqs=n, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, seq_lens=seq_lens,
+                    dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
+                    enable_kv_split=False)
+                for key_cache, value_cache in caches:
+                    ops.cpu_attention_with_kv_cache(
+                        query=query, key_cache=key_cache, value_cache=value_cache, output=out,
+                        query_start_loc=qsl, seq_lens=seq_lens, scale=head_dim ** -0.5, causal=True,
+                        alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
+                        scheduler_metadata=meta, s_aux=None)
+
+            for r in rows:  # first calls of each shape before timing
+                step(r)
+            times: dict[int, list[float]] = {r: [] for r in rows}
+            order = list(rows)
+            for _ in range(args.repeats):
+                random.shuffle(order)
+                for r in order:
+                    t = time.perf_counter()
+                    step(r)
+                    times[r].append(time.perf_counter() - t)
+            base = statistics.median(times[rows[0]]) if rows[0] == 1 else None
+            for r in rows:
+                ms = 1000 * statistics.median(times[r])
+                extra = (ms - 1000 * base) / (n * (r - 1)) if base is not None and r > 1 else None
+                results.append({"requests": n, "context": ctx, "rows": r, "ms": round(ms, 3),
+                                "ms_per_extra_row": None if extra is None else round(extra, 4)})
+    print(f"{folder.name}: {layers} layers, {heads} query heads, {kv_heads} KV heads of {head_dim}, {args.dtype}, "
+          f"KV blocks of {bs} ('{isa}'), {torch.get_num_threads()} threads; median ms of a step's attention "
+          f"(all layers) over {args.repeats} passes\n")
+    print("| requests | context | rows per request | ms | ms per row beyond the first |\n|---:|---:|---:|---:|---:|")
+    for x in results:
+        extra = "-" if x["ms_per_extra_row"] is None else f"{x['ms_per_extra_row']:.3f}"
+        print(f"| {x['requests']} | {x['context']} | {x['rows']} | {x['ms']:.2f} | {extra} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"settings": vars(args), "model": folder.name, "isa": isa, "threads": torch.get_num_threads(),
+                       "layers": layers, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

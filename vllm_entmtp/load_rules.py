@@ -400,14 +400,16 @@ class LoadRules:
         nothing is interpolated, so only what this machine did decides. Not in a step where some requests take
         prompt-lookup drafts instead (:meth:`~vllm_entmtp.scheduler.TreeScheduler.choose`'s ``skip``): their rows
         are not counted here, so the row counts compared would not be the step's. The rows table mixes batch
-        sizes (3 rows: one request with two draft tokens, or three without), and once the step-up has replaced
-        a row count its observations age out (:data:`~vllm_entmtp.step_costs.ROWS_MAX_AGE`) and the step-up
-        stops until it is measured again. ``rung(i, b)``: request ``i``'s nodes, expected accepted tokens and head
-        levels beyond the confidence pass at ladder bin ``b`` (:meth:`_fit_measured`'s)."""
+        sizes (3 rows: one request with two draft tokens, or three without). Once the step-up has replaced a row
+        count, its observations age out (:data:`~vllm_entmtp.step_costs.ROWS_MAX_AGE`): the count a request leaves
+        is then read from its last observations (``kept``) for :data:`~vllm_entmtp.step_costs.KEPT_MAX_AGE` more
+        steps, after which the step-up stops until it is measured again; the count it moves to must be measured
+        now. ``rung(i, b)``: request ``i``'s nodes, expected accepted tokens and head levels beyond the confidence
+        pass at ladder bin ``b`` (:meth:`_fit_measured`'s)."""
         k, b_size = len(self.ladder), len(bins)
         total = sum(nodes)
         for _ in range(b_size * k):
-            now_rows = costs.measured_time(b_size + total)
+            now_rows = costs.measured_time(b_size + total, kept=True)
             if now_rows is None:
                 return
             ranked = sorted(dep, reverse=True)

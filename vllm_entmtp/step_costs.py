@@ -159,6 +159,13 @@ STEP_RATE_MAX_AGE = 128
 
 #: Observations of a row count that :meth:`StepCosts.measured_time` needs to read it on its own.
 POINT_MIN_OBS = 8
+#: After a row count's observations have aged below :data:`POINT_MIN_OBS`, :meth:`StepCosts.measured_time` with
+#: ``kept=True`` reads the median of the last of them for this many more engine steps. The step-up
+#: (:meth:`~vllm_entmtp.load_rules.LoadRules._step_up`) keeps a row count from being verified, so its observations
+#: age out (:data:`ROWS_MAX_AGE`), and the step-up then paused until that count was measured again: in-process at
+#: one request on the 2-core EPYC (2026-12-05, ``benchmarks/results/small-rows-epyc-2026-12-05/``) 17-47 steps of
+#: about 550 still verified 2 rows (a chain of one draft token, the dearest step there).
+KEPT_MAX_AGE = 4 * ROWS_MAX_AGE
 #: A request moves up to a larger tree only where the step with it is measured at least this share faster
 #: (:meth:`~vllm_entmtp.load_rules.LoadRules._step_up`): two row counts' medians of a few steps each differ by a
 #: few per cent with no cause.
@@ -276,6 +283,7 @@ class StepCosts:
         self._clock = 0  # engine steps in which the drafter ran (tick): the yield and the decode steps age by it
         self._finished = 0  # requests finished so far (tick): the drafted decode steps also age by it
         self._med: dict[int, float] | None = None  # medians by row count, cached until the next observation
+        self._kept: dict[int, tuple[float, int]] = {}  # row count -> (median, clock) as it aged below POINT_MIN_OBS
         self.probes = 0
         self.references = 0  # steps without drafts for the realised comparison (needs_reference)
         self.explorations = 0
@@ -362,11 +370,15 @@ class StepCosts:
             if obs is None:
                 continue
             while obs and obs[0][1] <= clock:  # the window or a first observation's drop may have taken it already
+                if len(obs) == POINT_MIN_OBS:  # measured on its own until now: kept for measured_time(kept=True)
+                    self._kept[r] = (statistics.median(o[0] for o in obs), self._clock)
                 obs.popleft()
                 self._med = None
             if not obs:
                 del self._rows[r]
                 self._med = None
+        for r in [r for r, (_, clock) in self._kept.items() if self._clock - clock > KEPT_MAX_AGE]:
+            del self._kept[r]
         for table in (self._plain_rows, self._drafted_rows):
             aged = False
             for r in [r for r, obs in table.items() if not obs or self._clock - obs[-1][1] > ROWS_MAX_AGE]:
@@ -663,13 +675,15 @@ class StepCosts:
                 out.append(max(med[a] - slope * (a - r), 0.0))
         return out
 
-    def measured_time(self, rows: int) -> float | None:
+    def measured_time(self, rows: int, kept: bool = False) -> float | None:
         """The row-bound time of a decode step of ``rows`` rows as measured, nothing interpolated: the median of
-        its own observations where it has :data:`POINT_MIN_OBS` of them; None otherwise (seconds)."""
+        its own observations where it has :data:`POINT_MIN_OBS` of them; with ``kept``, else the median of the last
+        ones it had, for :data:`KEPT_MAX_AGE` engine steps after they aged below that; None otherwise (seconds)."""
         obs = self._rows.get(rows)
-        if obs is None or len(obs) < POINT_MIN_OBS:
-            return None
-        return self._medians()[rows]
+        if obs is not None and len(obs) >= POINT_MIN_OBS:
+            return self._medians()[rows]
+        last = self._kept.get(rows) if kept else None
+        return None if last is None else last[0]
 
     def draft_time(self, batch_size: int) -> float:
         """Drafting time for ``batch_size`` requests (seconds; :meth:`record_draft`): the median at the nearest

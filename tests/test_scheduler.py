@@ -481,38 +481,59 @@ def test_measured_costs_step_up_to_a_larger_tree_where_its_step_is_measured_fast
 
 
 def test_step_up_reads_the_row_count_it_leaves_from_its_last_observations_after_they_age_out():
-    """Once the step-up keeps requests off 2 rows, their observations age out; the step-up goes on reading their
-    last median (``kept``) for KEPT_MAX_AGE engine steps instead of pausing until 2 rows are verified again, and
-    stops after that. The row count it moves to must be measured now."""
+    """Once the step-up keeps requests off 2 rows, their observations age out; the step-up goes on reading the
+    last 8 of them (``kept``, topped up by fresh ones first) for KEPT_MAX_AGE engine steps instead of pausing until
+    2 rows are verified again, and stops after that. Only a count the step-up left is kept, and the count it moves
+    to must be measured now."""
     from vllm_entmtp.step_costs import KEPT_MAX_AGE, POINT_MIN_OBS, ROWS_MAX_AGE
 
     s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
-    c = _point_costs({1: 0.020, 2: 0.022, 5: 0.019})
-    for _ in range(ROWS_MAX_AGE + 1):  # 1 and 5 rows go on being verified, 2 rows no more
-        c.tick()
-        c.record_rows(1, 0.020)
-        c.record_rows(5, 0.019)
+    c = _point_costs({1: 0.020, 5: 0.019})
+    for ms in range(20, 30):  # 2 rows: 20..29 ms, the first dropped
+        c.record_rows(2, ms / 1000)
+
+    def step(costs):  # an engine step: the schedule, then 1 and 5 rows verified
+        costs.tick()
+        choice = ids(s.choose(["a"], [conf(0.5)], None, costs))
+        costs.record_rows(1, 0.020)
+        costs.record_rows(5, 0.019)
+        return choice
+
+    assert step(c) == ["big"]  # 2 rows measured now (24.5 ms median) against 5 rows (19 ms)
+    for _ in range(ROWS_MAX_AGE):
+        assert step(c) == ["big"]
     assert c.measured_time(2) is None  # aged out
-    assert c.measured_time(2, kept=True) == pytest.approx(0.022)
+    assert c.measured_time(2, kept=True) == pytest.approx(0.0255)  # its last 8: 22..29 ms
     assert c.measured_time(3, kept=True) is None  # never measured
-    assert ids(s.choose(["a"], [conf(0.5)], None, c)) == ["big"] and s.stats.cost_stepups == 1
+    for _ in range(3):  # fresh observations come first: 40, 40, 40 and the last 5 kept, 25..29 ms
+        c.record_rows(2, 0.040)
+    assert c.measured_time(2, kept=True) == pytest.approx(0.0285)
     for _ in range(KEPT_MAX_AGE + 1):
         c.tick()
         c.record_rows(1, 0.020)
         c.record_rows(5, 0.019)
-    assert c.measured_time(2, kept=True) is None  # kept no longer
-    assert ids(s.choose(["b"], [conf(0.5)], None, c)) == ["small"] and s.stats.cost_stepups == 1
-    for _ in range(POINT_MIN_OBS):  # measured again
+    assert c.measured_time(2, kept=True) is None  # kept no longer; the 3 fresh ones aged out too
+    stepups = s.stats.cost_stepups
+    assert step(c) == ["small"] and s.stats.cost_stepups == stepups
+    for _ in range(POINT_MIN_OBS + 1):  # measured again (the first dropped)
         c.record_rows(2, 0.022)
-    assert ids(s.choose(["c"], [conf(0.5)], None, c)) == ["big"] and s.stats.cost_stepups == 2
-    # the larger row count is never read from kept observations: 5 rows aged out, 2 rows measured now
+    assert step(c) == ["big"] and s.stats.cost_stepups == stepups + 1
+    # a count that aged out without the step-up leaving it is not kept
+    idle = _point_costs({1: 0.020, 2: 0.022, 5: 0.019})
+    for _ in range(ROWS_MAX_AGE + 1):
+        idle.tick()
+        idle.record_rows(1, 0.020)
+        idle.record_rows(2, 0.022)
+    assert idle.measured_time(5) is None and idle.measured_time(5, kept=True) is None
+    # the larger row count is never read from kept observations: 5 rows kept (left), 2 rows measured now
     stale = _point_costs({1: 0.020, 2: 0.022, 5: 0.019})
     for _ in range(ROWS_MAX_AGE + 1):
         stale.tick()
+        stale.left_rows(5)
         stale.record_rows(1, 0.020)
         stale.record_rows(2, 0.022)
     assert stale.measured_time(5) is None and stale.measured_time(5, kept=True) == pytest.approx(0.019)
-    assert ids(s.choose(["d"], [conf(0.5)], None, stale)) == ["small"] and s.stats.cost_stepups == 2
+    assert ids(s.choose(["d"], [conf(0.5)], None, stale)) == ["small"]
 
 
 def test_a_head_level_is_measured_apart_from_the_drafts_that_need_none():

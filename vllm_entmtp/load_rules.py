@@ -401,11 +401,12 @@ class LoadRules:
         prompt-lookup drafts instead (:meth:`~vllm_entmtp.scheduler.TreeScheduler.choose`'s ``skip``): their rows
         are not counted here, so the row counts compared would not be the step's. The rows table mixes batch
         sizes (3 rows: one request with two draft tokens, or three without). Once the step-up has replaced a row
-        count, its observations age out (:data:`~vllm_entmtp.step_costs.ROWS_MAX_AGE`): the count a request leaves
-        is then read from its last observations (``kept``) for :data:`~vllm_entmtp.step_costs.KEPT_MAX_AGE` more
-        steps, after which the step-up stops until it is measured again; the count it moves to must be measured
-        now. ``rung(i, b)``: request ``i``'s nodes, expected accepted tokens and head levels beyond the confidence
-        pass at ladder bin ``b`` (:meth:`_fit_measured`'s)."""
+        count, its observations age out (:data:`~vllm_entmtp.step_costs.ROWS_MAX_AGE`): a count the step-up left
+        (:meth:`~vllm_entmtp.step_costs.StepCosts.left_rows`) is then read from its last observations (``kept``)
+        for :data:`~vllm_entmtp.step_costs.KEPT_MAX_AGE` more steps, after which the step-up stops until it is
+        measured again; the count it moves to must be measured now. ``rung(i, b)``: request ``i``'s nodes,
+        expected accepted tokens and head levels beyond the confidence pass at ladder bin ``b``
+        (:meth:`_fit_measured`'s)."""
         k, b_size = len(self.ladder), len(bins)
         total = sum(nodes)
         for _ in range(b_size * k):
@@ -432,6 +433,7 @@ class LoadRules:
             if best is None:
                 return
             _, i, n_new, a_new, d_new = best
+            costs.left_rows(b_size + total)  # its observations may now age out: kept for measured_time(kept=True)
             total += n_new - nodes[i]
             bins[i] -= 1
             nodes[i], acc[i], dep[i] = n_new, a_new, d_new

@@ -159,12 +159,15 @@ STEP_RATE_MAX_AGE = 128
 
 #: Observations of a row count that :meth:`StepCosts.measured_time` needs to read it on its own.
 POINT_MIN_OBS = 8
-#: After a row count's observations have aged below :data:`POINT_MIN_OBS`, :meth:`StepCosts.measured_time` with
-#: ``kept=True`` reads the median of the last of them for this many more engine steps. The step-up
+#: After the observations of a row count that the step-up left (:meth:`StepCosts.left_rows`, within
+#: :data:`ROWS_MAX_AGE` steps) have aged below :data:`POINT_MIN_OBS`, :meth:`StepCosts.measured_time` with
+#: ``kept=True`` still reads the last of them for this many more engine steps. The step-up
 #: (:meth:`~vllm_entmtp.load_rules.LoadRules._step_up`) keeps a row count from being verified, so its observations
 #: age out (:data:`ROWS_MAX_AGE`), and the step-up then paused until that count was measured again: in-process at
 #: one request on the 2-core EPYC (2026-12-05, ``benchmarks/results/small-rows-epyc-2026-12-05/``) 17-47 steps of
-#: about 550 still verified 2 rows (a chain of one draft token, the dearest step there).
+#: about 550 still verified 2 rows (a chain of one draft token, the dearest step there). Four times the rows' own
+#: age is a choice, not a measurement: long enough that the pause comes rarely, short enough to follow a machine
+#: whose costs drift.
 KEPT_MAX_AGE = 4 * ROWS_MAX_AGE
 #: A request moves up to a larger tree only where the step with it is measured at least this share faster
 #: (:meth:`~vllm_entmtp.load_rules.LoadRules._step_up`): two row counts' medians of a few steps each differ by a
@@ -283,7 +286,10 @@ class StepCosts:
         self._clock = 0  # engine steps in which the drafter ran (tick): the yield and the decode steps age by it
         self._finished = 0  # requests finished so far (tick): the drafted decode steps also age by it
         self._med: dict[int, float] | None = None  # medians by row count, cached until the next observation
-        self._kept: dict[int, tuple[float, int]] = {}  # row count -> (median, clock) as it aged below POINT_MIN_OBS
+        # row count -> (seconds of its last POINT_MIN_OBS observations, clock) as they aged below that many, for the
+        # counts the step-up left (row count -> clock it last did: left_rows)
+        self._kept: dict[int, tuple[list[float], int]] = {}
+        self._left: dict[int, int] = {}
         self.probes = 0
         self.references = 0  # steps without drafts for the realised comparison (needs_reference)
         self.explorations = 0
@@ -370,8 +376,8 @@ class StepCosts:
             if obs is None:
                 continue
             while obs and obs[0][1] <= clock:  # the window or a first observation's drop may have taken it already
-                if len(obs) == POINT_MIN_OBS:  # measured on its own until now: kept for measured_time(kept=True)
-                    self._kept[r] = (statistics.median(o[0] for o in obs), self._clock)
+                if len(obs) == POINT_MIN_OBS and self._clock - self._left.get(r, -ROWS_MAX_AGE - 1) <= ROWS_MAX_AGE:
+                    self._kept[r] = ([o[0] for o in obs], self._clock)  # for measured_time(kept=True)
                 obs.popleft()
                 self._med = None
             if not obs:
@@ -379,6 +385,8 @@ class StepCosts:
                 self._med = None
         for r in [r for r, (_, clock) in self._kept.items() if self._clock - clock > KEPT_MAX_AGE]:
             del self._kept[r]
+        for r in [r for r, clock in self._left.items() if self._clock - clock > ROWS_MAX_AGE]:
+            del self._left[r]
         for table in (self._plain_rows, self._drafted_rows):
             aged = False
             for r in [r for r, obs in table.items() if not obs or self._clock - obs[-1][1] > ROWS_MAX_AGE]:
@@ -677,13 +685,21 @@ class StepCosts:
 
     def measured_time(self, rows: int, kept: bool = False) -> float | None:
         """The row-bound time of a decode step of ``rows`` rows as measured, nothing interpolated: the median of
-        its own observations where it has :data:`POINT_MIN_OBS` of them; with ``kept``, else the median of the last
-        ones it had, for :data:`KEPT_MAX_AGE` engine steps after they aged below that; None otherwise (seconds)."""
+        its own observations where it has :data:`POINT_MIN_OBS` of them; with ``kept``, for a count the step-up
+        left, else the median of its last :data:`POINT_MIN_OBS` observations, those still held first and then those
+        that aged out (for :data:`KEPT_MAX_AGE` engine steps after they did); None otherwise (seconds)."""
         obs = self._rows.get(rows)
         if obs is not None and len(obs) >= POINT_MIN_OBS:
             return self._medians()[rows]
-        last = self._kept.get(rows) if kept else None
-        return None if last is None else last[0]
+        old = self._kept.get(rows) if kept else None
+        if old is None:
+            return None
+        fresh = [o[0] for o in obs] if obs else []
+        return statistics.median(fresh + old[0][len(fresh) - POINT_MIN_OBS:])
+
+    def left_rows(self, rows: int) -> None:
+        """The step-up moved a request off a step of ``rows`` rows (:meth:`measured_time`'s ``kept``)."""
+        self._left[rows] = self._clock
 
     def draft_time(self, batch_size: int) -> float:
         """Drafting time for ``batch_size`` requests (seconds; :meth:`record_draft`): the median at the nearest

@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemm_rows import parse_rows  # noqa: E402
+from gemm_rows import median_ms, parse_rows  # noqa: E402
 
 
 def vllm_version() -> str | None:
@@ -148,17 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                         alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
                         scheduler_metadata=meta, s_aux=None)
 
-            for r in rows:  # first calls of each shape before timing
-                step(r)
-            times: dict[int, list[float]] = {r: [] for r in rows}
-            order = list(rows)
-            for _ in range(args.repeats):
-                random.shuffle(order)
-                for r in order:
-                    t = time.perf_counter()
-                    step(r)
-                    times[r].append(time.perf_counter() - t)
-            ms = {r: 1000 * statistics.median(times[r]) for r in rows}
+            ms = median_ms(step, rows, args.repeats)
             extra = extra_row_ms(ms, n)
             for r in rows:
                 results.append({"requests": n, "context": ctx, "rows": r, "ms": round(ms[r], 3),

@@ -43,6 +43,25 @@ def parse_rows(text: str) -> list[int]:
     return sorted(out)
 
 
+def median_ms(run, counts: list[int], repeats: int, before=None) -> dict[int, float]:
+    """Median milliseconds of ``run(count)`` per count: each count run once first (kernels built for its shapes),
+    then ``repeats`` passes over the counts in a random order each, ``before()`` (if given) ahead of each timed
+    call, outside the timing."""
+    for c in counts:
+        run(c)
+    times: dict[int, list[float]] = {c: [] for c in counts}
+    order = list(counts)
+    for _ in range(repeats):
+        random.shuffle(order)
+        for c in order:
+            if before is not None:
+                before()
+            t = time.perf_counter()
+            run(c)
+            times[c].append(time.perf_counter() - t)
+    return {c: 1000 * statistics.median(v) for c, v in times.items()}
+
+
 def linear_shapes(config: dict) -> list[tuple[int, int]]:
     """``(in_features, out_features)`` of one decoder layer's linear layers as vLLM builds a Llama-architecture
     model (QKV merged, gate and up merged), from a transformers ``config.json``."""
@@ -94,18 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         for k, handle, _ in layers:
             ops.onednn_mm(handle, inputs[m][k], None)
 
-    for m in rows:  # kernels built for each row count before timing
-        run(m)
-    times: dict[int, list[float]] = {m: [] for m in rows}
-    order = list(rows)
-    for _ in range(args.repeats):
-        random.shuffle(order)
-        for m in order:
-            flush.add_(1.0)
-            t = time.perf_counter()
-            run(m)
-            times[m].append(time.perf_counter() - t)
-    ms = {m: round(1000 * statistics.median(v), 3) for m, v in times.items()}
+    ms = {m: round(v, 3) for m, v in median_ms(run, rows, args.repeats, before=lambda: flush.add_(1.0)).items()}
     weights_mb = sum(w.numel() * w.element_size() for _, _, w in layers) / 1e6
     print(f"{folder.name}: {len(layers)} linear layers, {weights_mb:.0f} MB of {args.dtype} weights, "
           f"{torch.get_num_threads()} threads; median ms over {args.repeats} passes, weights cold\n")

@@ -21,3 +21,12 @@ def test_linear_shapes_follow_vllms_merged_llama_layers():
     assert gr.linear_shapes(smol) == [(576, 960), (576, 576), (576, 3072), (1536, 576)]
     mha = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "head_dim": 32}
     assert gr.linear_shapes(mha) == [(64, 384), (128, 64), (64, 256), (128, 64)]
+
+
+def test_median_ms_runs_each_count_once_untimed_then_every_pass_with_before_ahead_of_each_call():
+    calls, befores = [], []
+    ms = gr.median_ms(calls.append, [1, 4, 8], repeats=3, before=lambda: befores.append(len(calls)))
+    assert sorted(ms) == [1, 4, 8] and all(v >= 0 for v in ms.values())
+    assert calls[:3] == [1, 4, 8]  # first calls, before any timing
+    assert sorted(calls[3:]) == [1] * 3 + [4] * 3 + [8] * 3
+    assert befores == list(range(3, 12))  # once before each timed call, none before the first calls

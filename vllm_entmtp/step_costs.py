@@ -369,6 +369,8 @@ class StepCosts:
         order they came, so the oldest are on the left), and so do the row counts' observations
         (:data:`ROWS_MAX_AGE`; a row count with none left is not measured)."""
         self._clock += 1
+        for r in [r for r, clock in self._left.items() if self._clock - clock > ROWS_MAX_AGE]:
+            del self._left[r]
         order = self._rows_order
         while order and self._clock - order[0][0] > ROWS_MAX_AGE:
             clock, r = order.popleft()
@@ -376,7 +378,7 @@ class StepCosts:
             if obs is None:
                 continue
             while obs and obs[0][1] <= clock:  # the window or a first observation's drop may have taken it already
-                if len(obs) == POINT_MIN_OBS and self._clock - self._left.get(r, -ROWS_MAX_AGE - 1) <= ROWS_MAX_AGE:
+                if len(obs) == POINT_MIN_OBS and r in self._left:  # left within ROWS_MAX_AGE (pruned above)
                     self._kept[r] = ([o[0] for o in obs], self._clock)  # for measured_time(kept=True)
                 obs.popleft()
                 self._med = None
@@ -385,8 +387,6 @@ class StepCosts:
                 self._med = None
         for r in [r for r, (_, clock) in self._kept.items() if self._clock - clock > KEPT_MAX_AGE]:
             del self._kept[r]
-        for r in [r for r, clock in self._left.items() if self._clock - clock > ROWS_MAX_AGE]:
-            del self._left[r]
         for table in (self._plain_rows, self._drafted_rows):
             aged = False
             for r in [r for r, obs in table.items() if not obs or self._clock - obs[-1][1] > ROWS_MAX_AGE]:

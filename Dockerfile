@@ -5,7 +5,8 @@
 # The install is `make setup`, the step CI runs on a clean clone (.ci/run -> make test -> make setup). The start
 # command is tools/serve.sh, which ends in `exec vllm serve`: vLLM's server is PID 1. Its environment (HOST, PORT,
 # DTYPE, MEM_UTIL, VLLM_CPU_KVCACHE_SPACE, MODEL, SPECULATIVE_CONFIG, SERVE_ARGS) is listed in its header; DTYPE
-# left unset is chosen at start from the host's CPU flags. /cache keeps vLLM's torch.compile cache between runs.
+# left unset is chosen at start from the host's CPU flags. /cache keeps vLLM's torch.compile cache between runs, and
+# the plugin's verification attention kernel, built with g++ at the first start on a CPU with AVX-512.
 # torch==2.13.0+cpu comes from PyTorch's CPU wheel index (PyPI's torch 2.13.0 is a CUDA build).
 # A GPU image: docker/gpu.Dockerfile.
 FROM python:3.11-slim
@@ -15,6 +16,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends make gcc g++ li
 ENV PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu \
     VLLM_ENTMTP_CACHE=/opt/vllm-entmtp \
     VLLM_CACHE_ROOT=/cache/vllm \
+    TORCH_EXTENSIONS_DIR=/cache/torch_extensions \
     HF_HUB_OFFLINE=1 \
     HOST=0.0.0.0 \
     PORT=8000 \

@@ -2,6 +2,7 @@
 
     python benchmarks/attention_rows.py                   # 16 requests, 1-4 rows each, contexts of 300 and 1,000
     python benchmarks/attention_rows.py --requests 1,16,32 --rows 1-4,8 --contexts 250,1000 --out runs/attn.json
+    python benchmarks/attention_rows.py --kernels vllm,entmtp   # and the plugin's verification kernel beside it
 
 A request that verifies ``k`` draft tokens sends ``k + 1`` query rows through every attention layer of the target,
 each attending to the request's whole context. How much a row beyond the first costs decides, beside the linear
@@ -23,6 +24,10 @@ The KV cache holds random values (the time does not depend on them), one cache p
 the caches outgrow the CPU's last-level cache, as at 16 requests, a step reads every layer's context from memory);
 contexts are equal across requests. Run with the engine's thread count to compare with its steps (``vllm serve``
 on a 2-core CPU ran its worker on one thread here).
+
+``--kernels vllm,entmtp`` times the plugin's kernel for requests that verify draft tokens
+(:mod:`vllm_entmtp.verify_attention`, which the override runs for requests of 2 to 16 rows) on the same caches and
+rows, every request through it (in a step, requests of one row stay on vLLM's kernel).
 """
 from __future__ import annotations
 
@@ -94,8 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     ap.add_argument("--block-size", type=int, default=128, help="KV cache block size (vLLM's CPU default: 128)")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--kernels", default="vllm",
+                    help="comma-separated: vllm (vLLM's kernel), entmtp (the plugin's verification kernel)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    if not kernels or any(k not in ("vllm", "entmtp") for k in kernels):
+        ap.error(f"--kernels: vllm and/or entmtp, got {args.kernels!r}")
     try:
         requests, rows, contexts = (parse_counts(getattr(args, k), k) for k in ("requests", "rows", "contexts"))
     except ValueError as e:
@@ -104,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--repeats must be >= 1")
     if args.block_size < 1:
         ap.error("--block-size must be >= 1")
+    if "entmtp" in kernels and args.block_size % 16:
+        ap.error("--kernels entmtp needs a --block-size that is a multiple of 16")
 
     import torch
     from vllm import _custom_ops as ops
@@ -116,13 +128,21 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     isa = _get_attn_isa(dtype, args.block_size, head_dim, "auto")
     bs = args.block_size
+    if "entmtp" in kernels:
+        from vllm_entmtp import verify_attention
+        if not verify_attention.load(dtype):
+            print(f"error: the verification kernel does not serve here: {verify_attention.why_not()}",
+                  file=sys.stderr)
+            return 2
     results = []
     for n in requests:
         for ctx in contexts:
             big = batch_layout(n, max(rows), ctx, bs)
             # one cache per layer, as the engine holds them (beyond the last-level cache, read from memory)
-            caches = [torch.randn(big["num_blocks"], kv_heads, bs * 2, head_dim, dtype=dtype).chunk(2, dim=2)
-                      for _ in range(layers)]
+            full = [torch.randn(big["num_blocks"], kv_heads, bs * 2, head_dim, dtype=dtype) for _ in range(layers)]
+            caches = [c.chunk(2, dim=2) for c in full]
+            flat = [c.view(big["num_blocks"], kv_heads, -1) for c in full]  # the verification kernel's view
+            every = torch.arange(n, dtype=torch.int32)  # the kernel computes every request
             calls = {}
             for r in rows:
                 lay = batch_layout(n, r, ctx, bs)
@@ -146,19 +166,25 @@ def main(argv: list[str] | None = None) -> int:
                         alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
                         scheduler_metadata=meta, s_aux=None)
 
-            ms = median_ms(step, rows, args.repeats)
-            extra = extra_row_ms(ms, n)
-            for r in rows:
-                results.append({"requests": n, "context": ctx, "rows": r, "ms": round(ms[r], 3),
-                                "ms_per_extra_row": None if extra[r] is None else round(extra[r], 4)})
+            def step_entmtp(r: int) -> None:
+                qsl, seq_lens, table, query, out = calls[r]
+                for cache in flat:
+                    verify_attention.kernel()(query, cache, qsl, seq_lens, table, every, head_dim ** -0.5, out)
+
+            for kernel in kernels:
+                ms = median_ms(step if kernel == "vllm" else step_entmtp, rows, args.repeats)
+                extra = extra_row_ms(ms, n)
+                for r in rows:
+                    results.append({"kernel": kernel, "requests": n, "context": ctx, "rows": r, "ms": round(ms[r], 3),
+                                    "ms_per_extra_row": None if extra[r] is None else round(extra[r], 4)})
     print(f"{folder.name}: {layers} layers, {heads} query heads, {kv_heads} KV heads of {head_dim}, {args.dtype}, "
           f"KV blocks of {bs} ('{isa}'), {torch.get_num_threads()} threads; median ms of a step's attention "
           f"(all layers) over {args.repeats} passes\n")
-    print("| requests | context | rows per request | ms | ms a row beyond the first (mean) |\n"
-          "|---:|---:|---:|---:|---:|")
+    print("| kernel | requests | context | rows per request | ms | ms a row beyond the first (mean) |\n"
+          "|---|---:|---:|---:|---:|---:|")
     for x in results:
         extra = "-" if x["ms_per_extra_row"] is None else f"{x['ms_per_extra_row']:.3f}"
-        print(f"| {x['requests']} | {x['context']} | {x['rows']} | {x['ms']:.2f} | {extra} |")
+        print(f"| {x['kernel']} | {x['requests']} | {x['context']} | {x['rows']} | {x['ms']:.2f} | {extra} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"settings": vars(args), "model": folder.name,

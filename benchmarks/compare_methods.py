@@ -35,7 +35,7 @@ def is_entmtp(spec: dict | None) -> bool:
 
 def method_order(tasks=TASKS) -> list[str]:
     return [*PLAIN_METHODS, "ngram", "vllm-medusa", "medusa-tree", "hydra-tree", "entmtp", "entmtp-heads",
-            "entmtp-no-draft", *(f"static-{t}" for t in STATIC_TREES),
+            "entmtp-no-draft", "entmtp-vllm-attention", *(f"static-{t}" for t in STATIC_TREES),
             *(f"entmtp-{t}" for t in tasks if t in TUNED_TASKS)]
 
 
@@ -81,6 +81,9 @@ def method_table(heads: dict, tree_sets: dict, preferred_kinds=("hydra", "medusa
         "entmtp defaults but a cap of one verified row a request-step: nothing is drafted (what vLLM's "
         "speculative mode and the plugin's per-step work cost)", None if kind else
         f"no heads are shipped for {SERVED_MODEL_NAME}")
+    add("entmtp-vllm-attention", {"method": "entmtp", "verify_attention": "vllm"},
+        "entmtp defaults but vLLM's attention kernel for the rows of draft tokens too (verify_attention 'vllm')",
+        None if kind else f"no heads are shipped for {SERVED_MODEL_NAME}")
     for tree_id in STATIC_TREES:
         add(f"static-{tree_id}", {"method": "entmtp", "policy": "static", "tree_set": "default",
                                   "tree_id": tree_id},

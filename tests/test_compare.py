@@ -55,7 +55,7 @@ def checkout(tmp_path, monkeypatch):
 def test_method_table_with_everything_shipped(checkout, tmp_path):
     available, skipped = checkout(heads=("medusa", "hydra"), tree_sets=("humaneval", "gsm8k", "default"))
     assert list(available) == ["plain", "plain-float32", "plain-bfloat16", "ngram", "vllm-medusa", "medusa-tree",
-                               "hydra-tree", "entmtp", "entmtp-heads", "entmtp-no-draft",
+                               "hydra-tree", "entmtp", "entmtp-heads", "entmtp-no-draft", "entmtp-vllm-attention",
                                *(f"static-{t}" for t in cm.STATIC_TREES), "entmtp-humaneval", "entmtp-gsm8k"]
     assert available["static-b0n2"].spec == {"method": "entmtp", "policy": "static", "tree_set": "default",
                                              "tree_id": "b0n2"}
@@ -326,7 +326,7 @@ def test_quick_defaults_and_overrides(checkout):
         ["plain", "entmtp"], ["humaneval"], 2, 32)
     s = settings(table, ["--serve-args", "--dtype float32"])
     assert [m.name for m in s.methods] == ["plain", "plain-bfloat16", "ngram", "vllm-medusa", "medusa-tree",
-                                           "entmtp", "entmtp-heads", "entmtp-no-draft",
+                                           "entmtp", "entmtp-heads", "entmtp-no-draft", "entmtp-vllm-attention",
                                            *(f"static-{t}" for t in cm.STATIC_TREES)]
     # plain in the other dtype, once; the static trees on the mixed task only
     assert "same as plain" in s.skipped["plain-float32"]
@@ -341,7 +341,8 @@ def test_per_task_tree_sets_run_their_own_task_only(checkout):
     assert table[0]["entmtp-gsm8k"].only_task == "gsm8k" and table[0]["entmtp"].only_task is None
     s = settings(table, ["--tasks", "gsm8k,sharegpt"])
     assert [m.name for m in s.methods if not m.name.startswith("plain-")] == [
-        "plain", "ngram", "hydra-tree", "entmtp", "entmtp-heads", "entmtp-no-draft", "entmtp-gsm8k"]
+        "plain", "ngram", "hydra-tree", "entmtp", "entmtp-heads", "entmtp-no-draft", "entmtp-vllm-attention",
+        "entmtp-gsm8k"]
     assert s.skipped["entmtp-humaneval"] == "runs task 'humaneval' only, which is not in --tasks"
     with pytest.raises(tp.BenchmarkError, match="'entmtp-humaneval' runs task 'humaneval' only"):
         settings(table, ["--tasks", "gsm8k", "--methods", "plain,entmtp-humaneval"])

@@ -320,6 +320,20 @@ def test_start_up_lines_reach_vllms_log(runs):
     assert re.search(r"INFO .*entmtp: load: max_verify_tokens_per_step only", log), log[-4000:]
 
 
+def test_draft_rows_attend_through_the_plugins_kernel_where_it_serves(runs):
+    """Where the verification kernel serves (AVX-512, vLLM's 'vec' KV layout, a C++ compiler), the engines whose
+    output the tests above compare with plain decoding ran it for their draft rows (verify_attention 'auto');
+    elsewhere they ran vLLM's kernel and say why."""
+    from vllm_entmtp import verify_attention
+
+    log = runs[2]["tree"]["log"]
+    if verify_attention._unavailable(torch.float32) is None:
+        assert re.search(r"INFO .*entmtp: requests verifying draft tokens attend through the plugin's kernel", log), \
+            log[-4000:]
+    else:
+        assert re.search(r"INFO .*entmtp: verification attention by vLLM's kernel only: ", log), log[-4000:]
+
+
 def test_per_tree_counters_reach_prometheus(runs):
     """The drafter's counters (engine-core process) are exported through the front end's Prometheus registry."""
     phase = runs[2]["tree"]["c16"]

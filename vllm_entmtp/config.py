@@ -129,6 +129,14 @@ class EntMTPConfig(BaseModel):
                     "lookup drafts were verified; it then follows the request's record (docs/options.md). Not "
                     "given: the tree set's lookup calibration where it has one for the same n-gram lengths.")
 
+    verify_attention: Literal["auto", "vllm"] = Field(
+        default="auto",
+        description="The attention of requests that verify draft tokens on vLLM's CPU backend. 'auto' "
+                    "(default): the plugin's kernel (vllm_entmtp/kernels/verify_attention.cpp, built at start-up "
+                    "with the machine's C++ compiler, checked against vLLM's kernel), which reads a request's "
+                    "context once for all its rows, where the CPU has AVX-512 and vLLM's KV layout is 'vec'; "
+                    "vLLM's kernel elsewhere and for every request with one row. 'vllm': vLLM's kernel for all.")
+
     @model_validator(mode="after")
     def _policy_needs_tree_set(self) -> EntMTPConfig:
         if self.policy in ("entropy", "confidence") and self.tree_set is None:

@@ -26,6 +26,7 @@ import time
 import torch
 from vllm.v1.spec_decode.medusa import MedusaProposer
 
+from vllm_entmtp import verify_attention
 from vllm_entmtp.heads import load_mtp_heads
 from vllm_entmtp.lifetimes import Lifetimes
 from vllm_entmtp.metrics import Publisher
@@ -130,6 +131,13 @@ class EntMTPProposer(MedusaProposer):
         self.static_none = False  # a static tree without a top-1 path, where only chains verify: no drafts
         # trees that branch need the tree-attention fix (vLLM's CPU attention, 'vec' layout); elsewhere chains only
         self.tree_attention = self._tree_attention_available(target_model)
+        # draft rows' attention: the plugin's kernel where it builds and the layout allows (verify_attention)
+        self.verify_kernel = (spec.entmtp.verify_attention == "auto" and self._attention_overridden(target_model)
+                              and verify_attention.load(self.dtype))
+        verify_attention.use(self.verify_kernel)
+        if self.verify_kernel:
+            logger.info("entmtp: requests verifying draft tokens attend through the plugin's kernel "
+                        "(vllm_entmtp/verify_attention.py; verify_attention 'vllm' turns it off)")
         no_trees = ("entmtp: no tree attention here (it needs vLLM's CPU attention with the 'vec' KV layout, built "
                     "with the plugin's override%s): "
                     % ("; off by $" + TREE_ATTENTION_ENV if os.environ.get(TREE_ATTENTION_ENV) == "0" else ""))
@@ -231,16 +239,31 @@ class EntMTPProposer(MedusaProposer):
 
         if not current_platform.is_cpu():
             return False
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, _get_attn_isa
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        from vllm_entmtp.patches.tree_attention import SUPPORTED_ISA, TreeCPUAttentionImpl
+        from vllm_entmtp.patches.tree_attention import SUPPORTED_ISA
 
-        impls = [m.impl for m in target_model.modules()
-                 if isinstance(getattr(m, "impl", None), CPUAttentionBackendImpl)]
-        if not impls or not all(isinstance(i, TreeCPUAttentionImpl) for i in impls):
+        if not self._attention_overridden(target_model):
             return False
         mc, cc = self.vllm_config.model_config, self.vllm_config.cache_config
         return _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype) == SUPPORTED_ISA
+
+    @staticmethod
+    def _attention_overridden(target_model: torch.nn.Module) -> bool:
+        """Whether every attention layer of the target runs vLLM's CPU attention through the plugin's override
+        (``patches/tree_attention.py``), where the verification kernel (:mod:`vllm_entmtp.verify_attention`)
+        plugs in."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return False
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+        from vllm_entmtp.patches.tree_attention import TreeCPUAttentionImpl
+
+        impls = [m.impl for m in target_model.modules()
+                 if isinstance(getattr(m, "impl", None), CPUAttentionBackendImpl)]
+        return bool(impls) and all(isinstance(i, TreeCPUAttentionImpl) for i in impls)
 
     def _request_budgets(self, num_speculative_tokens: int, req_ids: list[str]) -> list[int]:
         top = min(num_speculative_tokens, self.num_speculative_tokens)

@@ -1,4 +1,7 @@
-"""Override of vLLM's CPU attention backend (``CPU_ATTN``) that verifies draft trees.
+"""Override of vLLM's CPU attention backend (``CPU_ATTN``) that verifies draft trees, and runs the rows of requests
+that verify draft tokens through the plugin's kernel (:mod:`vllm_entmtp.verify_attention`, option
+``verify_attention``, on the ``vec`` layout with AVX-512; the requests of one row run vLLM's kernel as a batch of
+their own, and a step in which nobody drafts runs vLLM's kernel alone, as plain decoding).
 
 vLLM's CPU kernel (``torch.ops._C.cpu_attention_with_kv_cache``) knows causal masks only. For a request whose
 draft tokens form a tree, the kernel first runs as usual; then the rows whose causal view is wrong (they would
@@ -20,8 +23,9 @@ Triton unified attention or a FlexAttention ``mask_mod`` (``docs/architecture.md
 from __future__ import annotations
 
 import torch
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.cpu_attn import AttentionType, CPUAttentionBackend, CPUAttentionBackendImpl
 
+from vllm_entmtp import verify_attention
 from vllm_entmtp.step import STEP
 
 SUPPORTED_ISA = "vec"
@@ -84,6 +88,10 @@ def tree_rows_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: 
     return out.permute(2, 0, 1, 3).reshape(r, h, d).to(query.dtype)
 
 
+#: The last step's split (its attention metadata, shared by all layers of a step, and the plan).
+_SPLIT: dict = {}
+
+
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
     """``CPUAttentionBackendImpl`` plus the tree-row fix and a stash of the tree rows' K/V."""
 
@@ -94,10 +102,30 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             STEP.kv[layer.layer_name] = (layer, self, kv_cache, key[lo:hi].clone(), value[lo:hi].clone(),
                                          slot_mapping[lo:hi].clone())
 
+    def _verify_split(self, layer, kv_cache, attn_metadata, query) -> verify_attention.Split | None:
+        """The step's split between vLLM's kernel and the verification kernel (:mod:`vllm_entmtp.verify_attention`;
+        None: vLLM's for all), planned in the first layer of the step and kept for the others."""
+        if (attn_metadata is None or self.attn_type != AttentionType.DECODER
+                or not verify_attention.serves(self, layer, kv_cache)):
+            return None
+        held = _SPLIT.get("step")
+        if held is not None and held[0] is attn_metadata:
+            return held[1]
+        split = verify_attention.plan(attn_metadata, self, layer.isa, query.dtype)
+        _SPLIT["step"] = (attn_metadata, split)
+        return split
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
-        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                              output_block_scale)
+        split = None
+        if output_scale is None and output_block_scale is None:
+            split = self._verify_split(layer, kv_cache, attn_metadata, query)
+        if split is not None:
+            verify_attention.forward(self, layer, query, kv_cache, split, output, attn_metadata.num_actual_tokens)
+            out = output
+        else:
+            out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                  output_block_scale)
         if attn_metadata is None or not STEP.fixes:  # chains (sampled ones too) attend causally: nothing to fix
             return out
         if getattr(layer, "isa", None) != SUPPORTED_ISA:

@@ -1,0 +1,122 @@
+"""vllm_entmtp/verify_attention.py: the kernel for requests that verify draft tokens, against vLLM's CPU kernel."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from vllm_entmtp import verify_attention as va
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not va.load(torch.float32):
+        pytest.skip(f"the verification kernel does not serve this machine: {va.why_not()}")
+    va.use(True)
+    yield va.kernel()
+    va.use(False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_kernel_equals_vllms_within_rounding(kernel, dtype):
+    # contexts on and around block edges (128), row counts from 1 to MAX_ROWS, blocks out of order
+    contexts = [0, 1, 15, 127, 128, 129, 255, 300, 1000]
+    rows = [2, 3, 1, 16, 4, 2, 8, 5, 7]
+    batch = va.random_batch(dtype, contexts, rows, seed=1)
+    ours, vllms = va.multirow(*batch, 0.1).float(), va.reference(*batch, 0.1).float()
+    assert ours.shape == vllms.shape
+    assert (ours - vllms).abs().max().item() <= va.TOLERANCE[dtype]
+    # and not by accident: another scale gives other outputs
+    assert (va.multirow(*batch, 0.3).float() - vllms).abs().max().item() > 10 * va.TOLERANCE[dtype]
+
+
+def test_each_row_sees_its_own_prefix_only(kernel):
+    # one request of 4 rows: row i must equal a request of i + 1 rows over the same cache (causal), to rounding
+    query, cache, qsl, seq, table = va.random_batch(torch.float32, [200], [4], seed=2)
+    full = va.multirow(query, cache, qsl, seq, table, 0.125)
+    for i in range(4):
+        part = va.multirow(query[:i + 1].contiguous(), cache, torch.tensor([0, i + 1], dtype=torch.int32),
+                           torch.tensor([200 + i + 1], dtype=torch.int32), table, 0.125)
+        assert (part[i] - full[i]).abs().max().item() <= 1e-6
+    assert (full[0] - full[3]).abs().max().item() > 1e-3
+
+
+def test_head_dim_128_and_other_head_counts(kernel):
+    batch = va.random_batch(torch.float32, [50, 400], [3, 2], heads=8, kv_heads=2, head_dim=128, seed=3)
+    assert (va.multirow(*batch, 0.09) - va.reference(*batch, 0.09)).abs().max().item() <= 1e-4
+
+
+def _metadata(qsl, seq_lens, table, causal=True):
+    return types.SimpleNamespace(query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table,
+                                 causal=causal, dynamic_causal=None, num_actual_tokens=qsl[-1])
+
+
+def test_a_step_is_split_by_rows_and_mixed_steps_compute_both_parts(kernel):
+    dtype = torch.float32
+    contexts, rows = [300, 40, 129, 600, 64], [1, 3, 1, 17, 2]  # 17 rows: a prompt chunk, vLLM's kernel
+    query, cache, qsl, seq, table = va.random_batch(dtype, contexts, rows, seed=4)
+    impl = types.SimpleNamespace(num_heads=9, num_kv_heads=3, head_size=64, kv_cache_dtype="auto", scale=0.125)
+    md = _metadata(qsl.tolist(), seq.tolist(), table)
+    split = va.plan(md, impl, va.SUPPORTED_ISA, dtype)
+    q = qsl.tolist()
+    assert split.reqs_m.tolist() == [1, 4]
+    assert split.rows_v.tolist() == [q[0], q[2], *range(q[3], q[4])] and split.qsl_v.tolist() == [0, 1, 2, 19]
+    assert split.seq_v.tolist() == [301, 130, 617] and torch.equal(split.table_v, table[[0, 2, 3]])
+    layer = types.SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
+    out = torch.full_like(query, float("nan"))
+    va.forward(impl, layer, query, cache, split, out, int(qsl[-1]))
+    whole = va.reference(query, cache, qsl, seq, table, 0.125)
+    assert not out.isnan().any()
+    assert (out - whole).abs().max().item() <= 1e-4
+    # the requests of one row and the long chunk are vLLM's kernel's own results on their rows
+    assert torch.equal(out[split.rows_v], va.reference(query[split.rows_v].contiguous(), cache, split.qsl_v,
+                                                       split.seq_v, split.table_v, 0.125))
+
+
+def test_steps_the_kernel_leaves_to_vllm(kernel):
+    impl = types.SimpleNamespace(num_heads=9, num_kv_heads=3, head_size=64, kv_cache_dtype="auto")
+    table = torch.zeros(3, 4, dtype=torch.int32)
+    assert va.plan(_metadata([0, 1, 2, 3], [10, 20, 30], table), impl, "vec", torch.float32) is None  # one row each
+    assert va.plan(_metadata([0, 1, 40, 41], [10, 60, 30], table), impl, "vec", torch.float32) is None  # a prompt
+    assert va.plan(_metadata([0, 2, 3, 4], [10, 20, 30], table, causal=False), impl, "vec", torch.float32) is None
+    split = va.plan(_metadata([0, 2, 5], [10, 20], table[:2]), impl, "vec", torch.float32)
+    assert split.rows_v is None and split.reqs_m.tolist() == [0, 1]  # everyone verifies drafts
+
+
+def test_a_layer_the_kernel_cannot_serve(kernel):
+    impl = types.SimpleNamespace(alibi_slopes=None, sliding_window=-1, logits_soft_cap=0, sinks=None,
+                                 kv_cache_dtype="auto", head_size=64)
+    layer = types.SimpleNamespace(isa="vec")
+    cache = torch.zeros(2, 3, 128, 128)
+    assert va.serves(impl, layer, cache)
+    va.use(False)  # an engine whose option is verify_attention 'vllm'
+    assert not va.serves(impl, layer, cache)
+    va.use(True)
+    assert not va.serves(impl, types.SimpleNamespace(isa="amx"), cache)
+    for key, value in (("sliding_window", 256), ("logits_soft_cap", 30.0), ("kv_cache_dtype", "fp8"),
+                       ("head_size", 80)):
+        assert not va.serves(types.SimpleNamespace(**{**vars(impl), key: value}), layer, cache), key
+    assert not va.serves(impl, layer, cache.transpose(0, 1))  # not contiguous
+
+
+def test_rows_are_read_and_written_in_place_with_strides(kernel):
+    # the layer's query is a view into a wider tensor (q of a fused qkv projection): rows strided, not copied
+    query, cache, qsl, seq, table = va.random_batch(torch.float32, [30, 200, 90], [2, 1, 3], seed=5)
+    wide = torch.randn(query.shape[0], 15, 64)
+    wide[:, :9] = query
+    view = wide[:, :9]
+    assert not view.is_contiguous()
+    out = torch.full((query.shape[0], 9, 64), 7.0)
+    va.multirow(view, cache, qsl, seq, table, 0.125, reqs=torch.tensor([0, 2], dtype=torch.int32), out=out)
+    whole = va.reference(query, cache, qsl, seq, table, 0.125)
+    assert (out[0:2] - whole[0:2]).abs().max().item() <= 1e-5 and (out[3:6] - whole[3:6]).abs().max() <= 1e-5
+    assert torch.equal(out[2], torch.full((9, 64), 7.0))  # request 1 was not asked for
+
+
+def test_a_kernel_that_disagrees_with_vllms_is_not_used(kernel, monkeypatch):
+    monkeypatch.setattr(va, "TOLERANCE", {torch.float32: -1.0, torch.bfloat16: -1.0})
+    assert "differed from vLLM's kernel" in va.self_check(torch.float32)

@@ -1,0 +1,195 @@
+// The attention of requests that verify draft tokens (2 or more query rows each), on vLLM's CPU paged KV cache in
+// its ``vec`` layout (per block and KV head: K transposed ``[head_dim, block_size]``, then V ``[block_size,
+// head_dim]``), causal. Each request's K/V blocks are read once for all its query rows and all query heads of a KV
+// head, the scores kept in registers (vLLM's kernel took 1.36x one row's time for two rows on the project's 2-core
+// EPYC, this one 1.30x, and 0.75x vLLM's for one row: benchmarks/attention_rows.py --kernels vllm,entmtp).
+// AVX-512F; float32 or bfloat16; head_dim 64 or 128; block size a multiple of 16. Built at start-up by
+// vllm_entmtp/verify_attention.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <vector>
+
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline float ld1(const float* p) { return *p; }
+static inline float ld1(const uint16_t* p) { uint32_t u = ((uint32_t)*p) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+static inline void st1(float* p, float x) { *p = x; }
+static inline void st1(uint16_t* p, float x) { uint32_t u; std::memcpy(&u, &x, 4); *p = (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16); }
+
+// exp for x <= 0 (and -inf -> 0): 2^n * p(r), |error| ~ 2 ulp
+static inline __m512 exp512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3f);
+  x = _mm512_max_ps(x, lo);
+  const __m512 l2e = _mm512_set1_ps(1.44269504088896341f);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, l2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// s[v][tc..tc+16) = q[v] . K[:, tc..tc+16) for VG query vectors
+template <typename T, int D, int VG>
+static inline void qk_group(const float* qf, const T* K, int64_t bs, int64_t nt, float* s, int64_t sstride) {
+  for (int64_t tc = 0; tc < nt; tc += 16) {
+    __m512 acc[VG];
+    for (int v = 0; v < VG; ++v) acc[v] = _mm512_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+      const __m512 kz = load16(K + d * bs + tc);
+      for (int v = 0; v < VG; ++v) acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(qf[v * D + d]), kz, acc[v]);
+    }
+    for (int v = 0; v < VG; ++v) _mm512_storeu_ps(s + v * sstride + tc, acc[v]);
+  }
+}
+template <typename T, int D>
+static void qk(const float* qf, int64_t nq, const T* K, int64_t bs, int64_t nt, float* s) {
+  int64_t v = 0;
+  for (; v + 8 <= nq; v += 8) qk_group<T, D, 8>(qf + v * D, K, bs, nt, s + v * bs, bs);
+  switch (nq - v) {
+    case 1: qk_group<T, D, 1>(qf + v * D, K, bs, nt, s + v * bs, bs); break;
+    case 2: qk_group<T, D, 2>(qf + v * D, K, bs, nt, s + v * bs, bs); break;
+    case 3: qk_group<T, D, 3>(qf + v * D, K, bs, nt, s + v * bs, bs); break;
+    case 4: qk_group<T, D, 4>(qf + v * D, K, bs, nt, s + v * bs, bs); break;
+    case 5: qk_group<T, D, 5>(qf + v * D, K, bs, nt, s + v * bs, bs); break;
+    case 6: qk_group<T, D, 6>(qf + v * D, K, bs, nt, s + v * bs, bs); break;
+    case 7: qk_group<T, D, 7>(qf + v * D, K, bs, nt, s + v * bs, bs); break;
+    default: break;
+  }
+}
+// acc[v] += sum_t p[v][t] V[t] for VG query vectors
+template <typename T, int D, int VG>
+static inline void pv_group(const float* s, int64_t sstride, const T* V, int64_t nt, float* acc) {
+  constexpr int DV = D / 16;
+  __m512 a[VG][DV];
+  for (int v = 0; v < VG; ++v) for (int k = 0; k < DV; ++k) a[v][k] = _mm512_loadu_ps(acc + v * D + 16 * k);
+  for (int64_t t = 0; t < nt; ++t) {
+    __m512 vz[DV];
+    for (int k = 0; k < DV; ++k) vz[k] = load16(V + t * D + 16 * k);
+    for (int v = 0; v < VG; ++v) {
+      const __m512 p = _mm512_set1_ps(s[v * sstride + t]);
+      for (int k = 0; k < DV; ++k) a[v][k] = _mm512_fmadd_ps(p, vz[k], a[v][k]);
+    }
+  }
+  for (int v = 0; v < VG; ++v) for (int k = 0; k < DV; ++k) _mm512_storeu_ps(acc + v * D + 16 * k, a[v][k]);
+}
+template <typename T, int D>
+static void pv(const float* s, int64_t nq, int64_t bs, const T* V, int64_t nt, float* acc) {
+  constexpr int G = D == 64 ? 6 : 3;
+  int64_t v = 0;
+  for (; v + G <= nq; v += G) pv_group<T, D, G>(s + v * bs, bs, V, nt, acc + v * D);
+  switch (nq - v) {
+    case 1: pv_group<T, D, 1>(s + v * bs, bs, V, nt, acc + v * D); break;
+    case 2: pv_group<T, D, 2>(s + v * bs, bs, V, nt, acc + v * D); break;
+    case 3: if constexpr (G > 3) pv_group<T, D, 3>(s + v * bs, bs, V, nt, acc + v * D); break;
+    case 4: if constexpr (G > 4) pv_group<T, D, 4>(s + v * bs, bs, V, nt, acc + v * D); break;
+    case 5: if constexpr (G > 5) pv_group<T, D, 5>(s + v * bs, bs, V, nt, acc + v * D); break;
+    default: break;
+  }
+}
+
+template <typename T, int D>
+static void run(const T* q, int64_t qs0, int64_t qs1, const T* c, const int32_t* qsl, const int32_t* sl,
+                const int32_t* tb, int64_t tbw, const int32_t* reqs, int64_t R, int64_t H, int64_t Hkv, int64_t bs,
+                float scale, T* o, int64_t os0, int64_t os1) {
+  const int64_t rep = H / Hkv;
+  at::parallel_for(0, R * Hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> buf;
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t b = reqs[w / Hkv], g = w % Hkv;
+      const int64_t q0 = qsl[b], n = qsl[b + 1] - q0, seq = sl[b], ctx = seq - n, nq = n * rep;
+      if (n <= 0) continue;
+      buf.assign(nq * D * 2 + nq * 2 + nq * bs, 0.f);
+      float* qf = buf.data(); float* acc = qf + nq * D; float* m = acc + nq * D; float* l = m + nq; float* s = l + nq;
+      for (int64_t i = 0; i < n; ++i) for (int64_t r = 0; r < rep; ++r) {
+        const T* src = q + (q0 + i) * qs0 + (g * rep + r) * qs1;
+        float* dst = qf + (i * rep + r) * D;
+        for (int d = 0; d < D; ++d) dst[d] = ld1(src + d) * scale;
+        m[i * rep + r] = -INFINITY;
+      }
+      const int64_t nblk = (seq + bs - 1) / bs;
+      for (int64_t j = 0; j < nblk; ++j) {
+        const T* blk = c + ((int64_t)tb[b * tbw + j] * Hkv + g) * 2 * bs * D;
+        const int64_t t0 = j * bs, nt = std::min(bs, seq - t0);
+        qk<T, D>(qf, nq, blk, bs, nt, s);
+        for (int64_t v = 0; v < nq; ++v) {
+          const int64_t lv = std::max<int64_t>(0, std::min(nt, ctx + v / rep + 1 - t0));
+          float* sv = s + v * bs;
+          if (lv == 0) { std::fill(sv, sv + nt, 0.f); continue; }
+          __m512 mxv = _mm512_set1_ps(m[v]);
+          int64_t t = 0;
+          for (; t + 16 <= lv; t += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(sv + t));
+          float mx = _mm512_reduce_max_ps(mxv);
+          for (; t < lv; ++t) mx = std::max(mx, sv[t]);
+          const __m512 mz = _mm512_set1_ps(mx);
+          __m512 sumv = _mm512_setzero_ps();
+          for (t = 0; t < lv; t += 16) {
+            const __mmask16 k = lv - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (lv - t)) - 1);
+            __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sv + t), mz));
+            e = _mm512_maskz_mov_ps(k, e);
+            _mm512_storeu_ps(sv + t, e);
+            sumv = _mm512_add_ps(sumv, e);
+          }
+          for (t = lv; t < nt; ++t) sv[t] = 0.f;  // (the chunk loop may have zeroed some already)
+          const float corr = m[v] == -INFINITY ? 0.f : std::exp(m[v] - mx);
+          l[v] = l[v] * corr + _mm512_reduce_add_ps(sumv);
+          m[v] = mx;
+          float* av = acc + v * D;
+          for (int d = 0; d < D; ++d) av[d] *= corr;
+        }
+        pv<T, D>(s, nq, bs, blk + D * bs, nt, acc);
+      }
+      for (int64_t i = 0; i < n; ++i) for (int64_t r = 0; r < rep; ++r) {
+        const int64_t v = i * rep + r; const float inv = 1.f / l[v];
+        T* dst = o + (q0 + i) * os0 + (g * rep + r) * os1;
+        for (int d = 0; d < D; ++d) st1(dst + d, acc[v * D + d] * inv);
+      }
+    }
+  });
+}
+
+// query [T, H, D] and out [T, H, D] (rows and heads strided, head_dim contiguous); cache [num_blocks, Hkv,
+// 2 * block_size * D]; qsl [R + 1], seq_lens [R], table [R, max_blocks], reqs [M]: the requests (of the R) to
+// compute, their rows read from query and written to out in place (int32). Row i of a request of n rows (seq_len s)
+// attends to keys < s - n + i + 1.
+void multirow_attention(torch::Tensor query, torch::Tensor cache, torch::Tensor qsl, torch::Tensor seq_lens,
+                        torch::Tensor table, torch::Tensor reqs, double scale, torch::Tensor out) {
+  const int64_t H = query.size(1), D = query.size(2), Hkv = cache.size(1), M = reqs.size(0);
+  const int64_t bs = cache.size(2) / (2 * D);
+  TORCH_CHECK(D == 64 || D == 128, "head_dim 64 or 128");
+  TORCH_CHECK(bs % 16 == 0, "block size a multiple of 16");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && cache.is_contiguous() && table.is_contiguous(),
+              "head_dim contiguous, cache and table contiguous");
+  TORCH_CHECK(query.scalar_type() == cache.scalar_type() && query.scalar_type() == out.scalar_type() &&
+              (query.scalar_type() == at::kBFloat16 || query.scalar_type() == at::kFloat), "float32 or bfloat16");
+  TORCH_CHECK(qsl.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+              table.scalar_type() == at::kInt && reqs.scalar_type() == at::kInt, "int32 index tensors");
+  TORCH_CHECK(qsl.is_contiguous() && seq_lens.is_contiguous() && reqs.is_contiguous(), "contiguous index tensors");
+  auto go = [&](auto tag, auto dim) {
+    using T = decltype(tag); constexpr int DD = decltype(dim)::value;
+    run<T, DD>((const T*)query.data_ptr(), query.stride(0), query.stride(1), (const T*)cache.data_ptr(),
+               qsl.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), table.data_ptr<int32_t>(), table.size(1),
+               reqs.data_ptr<int32_t>(), M, H, Hkv, bs, (float)scale, (T*)out.data_ptr(), out.stride(0),
+               out.stride(1));
+  };
+  const bool bf = query.scalar_type() == at::kBFloat16;
+  if (D == 64) {
+    if (bf) go(uint16_t{}, std::integral_constant<int, 64>{}); else go(float{}, std::integral_constant<int, 64>{});
+  } else {
+    if (bf) go(uint16_t{}, std::integral_constant<int, 128>{}); else go(float{}, std::integral_constant<int, 128>{});
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("multirow_attention", &multirow_attention); }

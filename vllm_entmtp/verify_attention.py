@@ -1,0 +1,236 @@
+"""The attention of the requests that verify draft tokens, on vLLM's CPU paged KV cache (``verify_attention``).
+
+vLLM's CPU kernel (``cpu_attention_with_kv_cache``) takes a request's second query row at a large part of its
+first's cost: on the project's 2-core EPYC (bfloat16, 30 layers, 16 requests, one thread as the served worker
+runs) 17.8 ms for one row each and 24.2 ms for two at 300 tokens of context, 52.5 and 80.9 ms at 1,000
+(``benchmarks/attention_rows.py --kernels vllm,entmtp``). The kernel here (``kernels/verify_attention.cpp``,
+AVX-512F) reads each request's K/V blocks once for all its query rows and all query heads of a KV head, with the
+scores in registers: 13.4 and 17.5 ms, 39.7 and 51.8 ms on the same rows. A draft token's row in a verification
+step costs that much less.
+
+Only requests with 2 to :data:`MAX_ROWS` query rows take it (those verifying draft tokens, and prompt chunks that
+short); the other requests of the step (one row each, longer prompt chunks) run vLLM's kernel as a batch of their
+own, so a step in which nobody drafts runs exactly as plain decoding. Where the kernel does not apply (no AVX-512F,
+no C++ compiler, a KV layout other than ``vec``, sliding windows, ALiBi, soft-capping, sinks, an fp8 KV cache, a
+non-causal step) vLLM's kernel runs everything. The output differs from vLLM's kernel by rounding (float32: about
+1e-7; the rows' sums run in another order).
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("vllm.entmtp")  # through vLLM's configured logger, as the drafter's lines
+
+#: Requests with at most this many query rows take the kernel (a chain of 15 draft tokens and its root).
+MAX_ROWS = 16
+SUPPORTED_ISA = "vec"
+SOURCE = Path(__file__).parent / "kernels" / "verify_attention.cpp"
+_state: dict = {"kernel": None, "reason": "not loaded", "on": False}
+
+
+def kernel():
+    """The loaded kernel (``multirow_attention``), or None."""
+    return _state["kernel"]
+
+
+def use(on: bool) -> None:
+    """Whether this process's attention layers take the kernel (:func:`serves`): set by the drafter of the engine
+    the process serves, from its option ``verify_attention``, after :func:`load`."""
+    _state["on"] = bool(on) and _state["kernel"] is not None
+
+
+def why_not() -> str:
+    """Why :func:`kernel` is None (empty when it is loaded)."""
+    return _state["reason"]
+
+
+def load(dtype: torch.dtype) -> bool:
+    """Build (first time: about 30-60 s with g++; then from torch's extension cache) and check the kernel against
+    vLLM's on a small batch in ``dtype``; True when it is ready. A failure leaves vLLM's kernel for every step and
+    says why (:func:`why_not`)."""
+    if _state["kernel"] is not None:
+        return True
+    reason = _unavailable(dtype)
+    if reason is None:
+        try:
+            from torch.utils.cpp_extension import load as load_extension
+            # -fopenmp: ATen's parallel_for (the requests' KV heads over torch's threads) is OpenMP in its headers
+            mod = load_extension("entmtp_verify_attention", [str(SOURCE)],
+                                 extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                                 verbose=False)
+            _state["kernel"] = mod.multirow_attention
+            err = self_check(dtype)
+            if err is not None:
+                _state["kernel"] = None
+                reason = err
+        except Exception as e:  # noqa: BLE001 - vLLM's kernel serves instead
+            _state["kernel"] = None
+            reason = f"the kernel did not build: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    _state["reason"] = reason or ""
+    if reason:
+        logger.info("entmtp: verification attention by vLLM's kernel only: %s", reason)
+    return reason is None
+
+
+def _unavailable(dtype: torch.dtype) -> str | None:
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype} (float32 and bfloat16 only)"
+    if not torch.cpu._is_avx512_supported():
+        return "this CPU has no AVX-512"
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    if _get_attn_isa(dtype, 128, 64, "auto") != SUPPORTED_ISA:
+        return f"vLLM's CPU attention uses another KV layout than '{SUPPORTED_ISA}' here"
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return "no C++ compiler (c++ or g++) to build it"
+    return None
+
+
+def reference(query, kv_cache, qsl, seq_lens, block_table, scale: float, isa: str = SUPPORTED_ISA) -> torch.Tensor:
+    """vLLM's kernel on the same rows (``kv_cache [num_blocks, Hkv, block_size, 2 * D]``), causal."""
+    import vllm._custom_ops as ops
+    nb, hkv, bs, two_d = kv_cache.shape
+    kc, vc = kv_cache.view(nb, hkv, 2 * bs, two_d // 2).chunk(2, dim=2)
+    out = torch.empty_like(query)
+    md = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(seq_lens), num_heads=query.shape[1], num_kv_heads=hkv, head_dim=query.shape[2],
+        seq_lens=seq_lens, dtype=query.dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
+        enable_kv_split=False)
+    ops.cpu_attention_with_kv_cache(query=query, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl,
+                                    seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None,
+                                    sliding_window=-1, block_table=block_table, softcap=0.0,
+                                    scheduler_metadata=md, s_aux=None)
+    return out
+
+
+def multirow(query, kv_cache, qsl, seq_lens, block_table, scale: float, reqs: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel on ``query [T, H, D]`` over ``kv_cache [num_blocks, Hkv, block_size, 2 * D]``: the rows of the
+    requests ``reqs`` (int32 indices; None: all) into ``out`` (None: a new tensor; other rows left as they are)."""
+    nb, hkv = kv_cache.shape[:2]
+    out = torch.empty_like(query) if out is None else out
+    if reqs is None:
+        reqs = torch.arange(len(seq_lens), dtype=torch.int32)
+    _state["kernel"](query, kv_cache.view(nb, hkv, -1), qsl, seq_lens, block_table, reqs, float(scale), out)
+    return out
+
+
+def random_batch(dtype: torch.dtype, contexts: list[int], rows: list[int], heads: int = 9, kv_heads: int = 3,
+                 head_dim: int = 64, block_size: int = 128, seed: int = 0):
+    """A paged cache written by vLLM's ``cpu_attn_reshape_and_cache`` and query rows for ``len(contexts)``
+    requests of ``rows[i]`` rows after ``contexts[i]`` tokens: ``(query, kv_cache, qsl, seq_lens, block_table)``."""
+    import vllm._custom_ops as ops
+    g = torch.Generator().manual_seed(seed)
+    seqs = [c + r for c, r in zip(contexts, rows)]
+    per = max(-(-s // block_size) for s in seqs)
+    n = len(seqs)
+    cache = torch.zeros(n * per, kv_heads, block_size, 2 * head_dim, dtype=dtype)
+    table = torch.arange(n * per, dtype=torch.int32).view(n, per).flip(1).contiguous()  # blocks out of order
+    k = torch.randn(sum(seqs), kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(sum(seqs), kv_heads, head_dim, generator=g).to(dtype)
+    slots = torch.cat([table[b, torch.arange(s) // block_size].long() * block_size + torch.arange(s) % block_size
+                       for b, s in enumerate(seqs)])
+    kc, vc = cache.view(n * per, kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, SUPPORTED_ISA)
+    qsl = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(qsl[-1]), heads, head_dim, generator=g).to(dtype)
+    return query, cache, qsl, torch.tensor(seqs, dtype=torch.int32), table
+
+
+#: Largest difference from vLLM's kernel the start-up check accepts (outputs of order 1).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+def self_check(dtype: torch.dtype) -> str | None:
+    """The kernel against vLLM's on a small random batch (several contexts and row counts); None when they agree
+    within :data:`TOLERANCE`, else why not."""
+    batch = random_batch(dtype, [5, 300, 129, 1000, 127], [2, 1, 3, 4, 8])
+    scale = 0.125
+    diff = (multirow(*batch, scale).float() - reference(*batch, scale).float()).abs().max().item()
+    if not diff <= TOLERANCE[dtype]:
+        return f"its start-up check differed from vLLM's kernel by {diff:.3g} ({dtype})"
+    return None
+
+
+@dataclass
+class Split:
+    """One step's requests by kernel (the same for every layer of the step): the kernel's requests (2 to
+    :data:`MAX_ROWS` rows; ``reqs_m``, read and written in place in the step's batch: ``qsl``, ``seq_lens``,
+    ``table``) and vLLM's (the rest, None where there are none) as a batch of their own: its query rows, ``qsl``,
+    ``seq_lens``, block table and vLLM's scheduler metadata."""
+    reqs_m: torch.Tensor
+    qsl: torch.Tensor
+    seq_lens: torch.Tensor
+    table: torch.Tensor
+    rows_v: torch.Tensor | None = None
+    qsl_v: torch.Tensor | None = None
+    seq_v: torch.Tensor | None = None
+    table_v: torch.Tensor | None = None
+    md_v: object | None = None
+
+
+def plan(attn_metadata, impl, isa: str, dtype: torch.dtype) -> Split | None:
+    """The step's :class:`Split`, or None where every request runs vLLM's kernel (no request of 2 to
+    :data:`MAX_ROWS` rows, or a step the kernel does not serve)."""
+    if attn_metadata.causal is not True or attn_metadata.dynamic_causal is not None:
+        return None
+    qsl_t = attn_metadata.query_start_loc
+    qsl = qsl_t.tolist()
+    n = len(qsl) - 1
+    multi = [b for b in range(n) if 2 <= qsl[b + 1] - qsl[b] <= MAX_ROWS]
+    if not multi:
+        return None
+    i32 = torch.int32
+    seq_lens, table = attn_metadata.seq_lens, attn_metadata.block_table
+    split = Split(torch.tensor(multi, dtype=i32), qsl_t.to(i32).contiguous(), seq_lens.to(i32).contiguous(),
+                  table.to(i32).contiguous())
+    rest = [b for b in range(n) if not 2 <= qsl[b + 1] - qsl[b] <= MAX_ROWS]
+    if not rest:
+        return split
+    import vllm._custom_ops as ops
+    import vllm.envs as envs
+    counts = [qsl[b + 1] - qsl[b] for b in rest]
+    split.rows_v = torch.cat([torch.arange(qsl[b], qsl[b + 1]) for b in rest])
+    split.qsl_v = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=i32)
+    sel = torch.tensor(rest)
+    split.seq_v, split.table_v = split.seq_lens[sel].contiguous(), split.table[sel].contiguous()
+    split.md_v = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(rest), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads, head_dim=impl.head_size,
+        seq_lens=split.seq_v, dtype=dtype, query_start_loc=split.qsl_v, causal=True, sliding_window_size=-1,
+        isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
+        kv_cache_dtype=impl.kv_cache_dtype)
+    return split
+
+
+def serves(impl, layer, kv_cache: torch.Tensor) -> bool:
+    """Whether this layer's attention can take the kernel at all (same every step)."""
+    return (_state["on"] and getattr(layer, "isa", None) == SUPPORTED_ISA and impl.alibi_slopes is None
+            and impl.sliding_window == -1 and not impl.logits_soft_cap and impl.sinks is None
+            and impl.kv_cache_dtype == "auto" and kv_cache.is_contiguous()
+            and impl.head_size in (64, 128) and kv_cache.shape[2] % 16 == 0)
+
+
+def forward(impl, layer, query: torch.Tensor, kv_cache: torch.Tensor, split: Split, output: torch.Tensor,
+            num_tokens: int) -> None:
+    """One layer's attention of the step by :class:`Split`: vLLM's kernel for its batch, this kernel for the
+    requests verifying draft tokens; into ``output[:num_tokens]``."""
+    import vllm._custom_ops as ops
+    h, d = impl.num_heads, impl.head_size
+    q = query[:num_tokens].view(num_tokens, h, d)
+    out = output[:num_tokens].view(num_tokens, h, d)
+    if split.rows_v is not None:
+        nb, hkv, bs, _ = kv_cache.shape
+        kc, vc = kv_cache.view(nb, hkv, bs * 2, -1).chunk(2, dim=2)
+        qv = q.index_select(0, split.rows_v)
+        ov = torch.empty_like(qv)
+        ops.cpu_attention_with_kv_cache(
+            query=qv, key_cache=kc, value_cache=vc, output=ov, query_start_loc=split.qsl_v, seq_lens=split.seq_v,
+            scale=impl.scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=split.table_v,
+            softcap=0.0, scheduler_metadata=split.md_v, s_aux=None, dynamic_causal=None,
+            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype)
+        out.index_copy_(0, split.rows_v, ov)
+    multirow(q, kv_cache, split.qsl, split.seq_lens, split.table, impl.scale, reqs=split.reqs_m, out=out)

@@ -15,9 +15,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 def kernel():
     if not va.load(torch.float32):
         pytest.skip(f"the verification kernel does not serve this machine: {va.why_not()}")
-    va.use(True)
-    yield va.kernel()
-    va.use(False)
+    return va.kernel()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -77,6 +75,18 @@ def test_a_step_is_split_by_rows_and_mixed_steps_compute_both_parts(kernel):
                                                        split.seq_v, split.table_v, 0.125))
 
 
+def test_only_requests_that_verify_draft_tokens_take_the_kernel(kernel):
+    # a prompt chunk of 3 tokens has as many rows as a request verifying 2 draft tokens: only the step's own record
+    # of which requests verify draft tokens tells them apart
+    impl = types.SimpleNamespace(num_heads=9, num_kv_heads=3, head_size=64, kv_cache_dtype="auto")
+    table = torch.zeros(3, 4, dtype=torch.int32)
+    md = _metadata([0, 3, 4, 7], [3, 20, 30], table)  # a new prompt of 3 tokens, one decode, one verifying 2
+    assert va.plan(md, impl, "vec", torch.float32, verifying={2}).reqs_m.tolist() == [2]
+    assert va.plan(md, impl, "vec", torch.float32, verifying={2}).qsl_v.tolist() == [0, 3, 4]
+    assert va.plan(md, impl, "vec", torch.float32, verifying=set()) is None  # nobody verifies: vLLM's alone
+    assert va.plan(md, impl, "vec", torch.float32).reqs_m.tolist() == [0, 2]  # by rows alone
+
+
 def test_steps_the_kernel_leaves_to_vllm(kernel):
     impl = types.SimpleNamespace(num_heads=9, num_kv_heads=3, head_size=64, kv_cache_dtype="auto")
     table = torch.zeros(3, 4, dtype=torch.int32)
@@ -92,15 +102,43 @@ def test_a_layer_the_kernel_cannot_serve(kernel):
                                  kv_cache_dtype="auto", head_size=64)
     layer = types.SimpleNamespace(isa="vec")
     cache = torch.zeros(2, 3, 128, 128)
+    assert not va.serves(impl, layer, cache)  # no engine turned it on for this layer
+    va.use([impl], True)
     assert va.serves(impl, layer, cache)
-    va.use(False)  # an engine whose option is verify_attention 'vllm'
-    assert not va.serves(impl, layer, cache)
-    va.use(True)
+    other = types.SimpleNamespace(**vars(impl))
+    va.use([other], False)  # another engine's layers, verify_attention 'vllm': this one's stay on
+    assert va.serves(impl, layer, cache) and not va.serves(other, layer, cache)
     assert not va.serves(impl, types.SimpleNamespace(isa="amx"), cache)
     for key, value in (("sliding_window", 256), ("logits_soft_cap", 30.0), ("kv_cache_dtype", "fp8"),
                        ("head_size", 80)):
         assert not va.serves(types.SimpleNamespace(**{**vars(impl), key: value}), layer, cache), key
     assert not va.serves(impl, layer, cache.transpose(0, 1))  # not contiguous
+
+
+def test_what_fixes_a_layer_to_vllms_kernel_is_named_at_start_up():
+    impl = types.SimpleNamespace(alibi_slopes=None, sliding_window=-1, logits_soft_cap=0, sinks=None,
+                                 kv_cache_dtype="auto", head_size=64)
+    assert va.layer_limits(impl, "vec", 128) is None
+    assert "'amx', not 'vec'" in va.layer_limits(impl, "amx", 128)
+    assert "block size 40" in va.layer_limits(impl, "vec", 40)
+    for key, value, words in (("head_size", 96, "head size 96"), ("kv_cache_dtype", "fp8_e4m3", "fp8_e4m3"),
+                              ("sliding_window", 512, "sliding window"), ("logits_soft_cap", 30.0, "soft-capping"),
+                              ("alibi_slopes", torch.ones(9), "ALiBi"), ("sinks", torch.ones(9), "sinks")):
+        assert words in va.layer_limits(types.SimpleNamespace(**{**vars(impl), key: value}), "vec", 128), key
+
+
+def test_a_build_lock_left_by_a_killed_start_is_removed(tmp_path):
+    import os
+    import time
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    va._clear_stale_lock(tmp_path)
+    assert lock.exists()  # a build may be running right now
+    old = time.time() - va.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    va._clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    va._clear_stale_lock(tmp_path / "missing")  # nothing to do, no error
 
 
 def test_rows_are_read_and_written_in_place_with_strides(kernel):

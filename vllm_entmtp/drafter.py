@@ -131,13 +131,8 @@ class EntMTPProposer(MedusaProposer):
         self.static_none = False  # a static tree without a top-1 path, where only chains verify: no drafts
         # trees that branch need the tree-attention fix (vLLM's CPU attention, 'vec' layout); elsewhere chains only
         self.tree_attention = self._tree_attention_available(target_model)
-        # draft rows' attention: the plugin's kernel where it builds and the layout allows (verify_attention)
-        self.verify_kernel = (spec.entmtp.verify_attention == "auto" and self._attention_overridden(target_model)
-                              and verify_attention.load(self.dtype))
-        verify_attention.use(self.verify_kernel)
-        if self.verify_kernel:
-            logger.info("entmtp: requests verifying draft tokens attend through the plugin's kernel "
-                        "(vllm_entmtp/verify_attention.py; verify_attention 'vllm' turns it off)")
+        # draft rows' attention: the plugin's kernel where it builds and every layer allows (verify_attention)
+        self.verify_kernel = self._verify_kernel(target_model, spec.entmtp.verify_attention == "auto")
         no_trees = ("entmtp: no tree attention here (it needs vLLM's CPU attention with the 'vec' KV layout, built "
                     "with the plugin's override%s): "
                     % ("; off by $" + TREE_ATTENTION_ENV if os.environ.get(TREE_ATTENTION_ENV) == "0" else ""))
@@ -249,21 +244,45 @@ class EntMTPProposer(MedusaProposer):
         return _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype) == SUPPORTED_ISA
 
     @staticmethod
-    def _attention_overridden(target_model: torch.nn.Module) -> bool:
-        """Whether every attention layer of the target runs vLLM's CPU attention through the plugin's override
-        (``patches/tree_attention.py``), where the verification kernel (:mod:`vllm_entmtp.verify_attention`)
-        plugs in."""
+    def _overridden_impls(target_model: torch.nn.Module) -> list:
+        """The target's attention implementations where every one runs vLLM's CPU attention through the plugin's
+        override (``patches/tree_attention.py``, where the verification kernel plugs in); else ``[]``."""
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
-            return False
+            return []
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
         from vllm_entmtp.patches.tree_attention import TreeCPUAttentionImpl
 
         impls = [m.impl for m in target_model.modules()
                  if isinstance(getattr(m, "impl", None), CPUAttentionBackendImpl)]
-        return bool(impls) and all(isinstance(i, TreeCPUAttentionImpl) for i in impls)
+        return impls if impls and all(isinstance(i, TreeCPUAttentionImpl) for i in impls) else []
+
+    def _attention_overridden(self, target_model: torch.nn.Module) -> bool:
+        return bool(self._overridden_impls(target_model))
+
+    def _verify_kernel(self, target_model: torch.nn.Module, wanted: bool) -> bool:
+        """Turn the verification kernel (:mod:`vllm_entmtp.verify_attention`) on for this engine's attention
+        layers where it is ``wanted`` (option ``verify_attention`` ``"auto"``), builds, passes its check against
+        vLLM's kernel and every layer allows it; log which; True where it serves."""
+        impls = self._overridden_impls(target_model)
+        on = wanted and bool(impls) and verify_attention.load(self.dtype)
+        if on:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            mc, cc = self.vllm_config.model_config, self.vllm_config.cache_config
+            layout = _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
+            why = sorted({r for i in impls if (r := verify_attention.layer_limits(i, layout, cc.block_size))})
+            if why:
+                logger.info("entmtp: verification attention by vLLM's kernel only: %s", "; ".join(why))
+                on = False
+        verify_attention.use(impls, on)
+        if on:
+            logger.info("entmtp: requests verifying draft tokens attend through the plugin's kernel in all %d "
+                        "attention layers (vllm_entmtp/verify_attention.py; verify_attention 'vllm' turns it off)",
+                        len(impls))
+        return on
 
     def _request_budgets(self, num_speculative_tokens: int, req_ids: list[str]) -> list[int]:
         top = min(num_speculative_tokens, self.num_speculative_tokens)

@@ -122,6 +122,8 @@ class SpecStep:
     plans: dict[int, tuple] = field(default_factory=dict)
     # batch indices whose bookkeeping failed: vLLM verifies their draft tokens as a chain, they keep one token
     fallback: set[int] = field(default_factory=set)
+    # batch indices of the requests vLLM scheduled draft tokens for (the verification kernel takes their rows)
+    verifying: set[int] = field(default_factory=set)
     # per request, the first row of its block in the sampled rows (root, then draft tokens), from vLLM's
     # SpecDecodeMetadata once per step (set_offsets)
     offsets: np.ndarray | None = None
@@ -135,8 +137,10 @@ class SpecStep:
     rows_clock: float = 0.0
     decode_batch: int = 0  # the decode step's requests (fewer than its rows where it verifies draft tokens)
 
-    def reset(self, rows: dict[int, TreeRows], fallback: set[int] | None = None) -> None:
+    def reset(self, rows: dict[int, TreeRows], fallback: set[int] | None = None,
+              verifying: set[int] | None = None) -> None:
         self.rows = rows
+        self.verifying = verifying or set()
         self.fixes = any(r.fix_rows for r in rows.values())
         self.fallback = fallback or set()
         self.kv = {}
@@ -205,7 +209,10 @@ def begin_step(runner, scheduler_output) -> None:
                 continue
             if tr is not None:
                 rows[b] = tr
-    STEP.reset(rows, fallback)
+    sched_spec = scheduler_output.scheduled_spec_decode_tokens
+    verifying = {b for b, req_id in enumerate(runner.input_batch.req_ids) if sched_spec.get(req_id)} \
+        if sched_spec else set()
+    STEP.reset(rows, fallback, verifying)
     if drafter.step_costs is not None:
         total = scheduler_output.total_num_scheduled_tokens
         drafts = sum(len(v) for v in scheduler_output.scheduled_spec_decode_tokens.values())

@@ -1,24 +1,29 @@
 """The attention of the requests that verify draft tokens, on vLLM's CPU paged KV cache (``verify_attention``).
 
 vLLM's CPU kernel (``cpu_attention_with_kv_cache``) takes a request's second query row at a large part of its
-first's cost: on the project's 2-core EPYC (bfloat16, 30 layers, 16 requests, one thread as the served worker
-runs) 17.8 ms for one row each and 24.2 ms for two at 300 tokens of context, 52.5 and 80.9 ms at 1,000
-(``benchmarks/attention_rows.py --kernels vllm,entmtp``). The kernel here (``kernels/verify_attention.cpp``,
-AVX-512F) reads each request's K/V blocks once for all its query rows and all query heads of a KV head, with the
-scores in registers: 13.4 and 17.5 ms, 39.7 and 51.8 ms on the same rows. A draft token's row in a verification
-step costs that much less.
+first's cost. On the project's 2-core EPYC (bfloat16, 30 layers, 16 requests, one thread as the served worker runs;
+``benchmarks/attention_rows.py --kernels vllm,entmtp``, two runs) it took 17.3-17.8 ms for one row each and
+24.0-24.2 ms for two at 300 tokens of context, 51.1-52.5 and 78.9-80.9 ms at 1,000. The kernel here
+(``kernels/verify_attention.cpp``, AVX-512F) reads each request's K/V blocks once for all its query rows and all
+query heads of a KV head, its dot-product and weighted-sum accumulators in registers: 13.2-13.4 and 17.3-17.5 ms,
+39.7-39.8 and 51.8 ms on the same rows. Served, where only the requests verifying draft tokens take it, a draft
+token cost 11-13 % less per step (``benchmarks/results/verify-kernel-epyc-2026-12-05/``; end to end at 16 and 32
+running, parity with plain decoding with it or without).
 
-Only requests with 2 to :data:`MAX_ROWS` query rows take it (those verifying draft tokens, and prompt chunks that
-short); the other requests of the step (one row each, longer prompt chunks) run vLLM's kernel as a batch of their
-own, so a step in which nobody drafts runs exactly as plain decoding. Where the kernel does not apply (no AVX-512F,
-no C++ compiler, a KV layout other than ``vec``, sliding windows, ALiBi, soft-capping, sinks, an fp8 KV cache, a
-non-causal step) vLLM's kernel runs everything. The output differs from vLLM's kernel by rounding (float32: about
-1e-7; the rows' sums run in another order).
+Only the requests that verify draft tokens this step (``verifying``: vLLM scheduled draft tokens for them) with 2 to
+:data:`MAX_ROWS` query rows take it; the other requests of the step (one row each, prompt chunks) run vLLM's kernel
+as a batch of their own, so a step that verifies no draft token runs vLLM's kernel alone, as plain decoding does.
+Where the kernel does not apply (no AVX-512F, no C++ compiler or ninja, a KV layout other than ``vec``, sliding
+windows, ALiBi, soft-capping, sinks, an fp8 KV cache, head sizes other than 64 and 128, a non-causal step) vLLM's
+kernel runs everything. Its output differs from vLLM's kernel by rounding (the sums run in another order: on
+random float32 batches within 2.4e-7 of outputs of order 1; the start-up check and the tests allow 1e-4).
 """
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +35,11 @@ logger = logging.getLogger("vllm.entmtp")  # through vLLM's configured logger, a
 MAX_ROWS = 16
 SUPPORTED_ISA = "vec"
 SOURCE = Path(__file__).parent / "kernels" / "verify_attention.cpp"
-_state: dict = {"kernel": None, "reason": "not loaded", "on": False}
+NAME = "entmtp_verify_attention"
+#: A build lock older than this is taken as left by a start that was killed while building (torch's lock has no
+#: timeout: a later start would wait for it for ever).
+STALE_LOCK_S = 600
+_state: dict = {"kernel": None, "reason": "not loaded", "checked": set()}
 
 
 def kernel():
@@ -38,10 +47,11 @@ def kernel():
     return _state["kernel"]
 
 
-def use(on: bool) -> None:
-    """Whether this process's attention layers take the kernel (:func:`serves`): set by the drafter of the engine
-    the process serves, from its option ``verify_attention``, after :func:`load`."""
-    _state["on"] = bool(on) and _state["kernel"] is not None
+def use(impls, on: bool) -> None:
+    """Whether these attention layers (one engine's ``TreeCPUAttentionImpl`` objects) take the kernel
+    (:func:`serves`): set by the engine's drafter from its option ``verify_attention``, after :func:`load`."""
+    for impl in impls:
+        impl.entmtp_verify = bool(on) and _state["kernel"] is not None
 
 
 def why_not() -> str:
@@ -50,24 +60,29 @@ def why_not() -> str:
 
 
 def load(dtype: torch.dtype) -> bool:
-    """Build (first time: about 30-60 s with g++; then from torch's extension cache) and check the kernel against
-    vLLM's on a small batch in ``dtype``; True when it is ready. A failure leaves vLLM's kernel for every step and
+    """Build (the first time: about 30 s with g++; then from torch's extension folder) and check the kernel against
+    vLLM's on a small batch in ``dtype`` (once per dtype); True when it is ready. A failure leaves vLLM's kernel for every step and
     says why (:func:`why_not`)."""
-    if _state["kernel"] is not None:
+    if _state["kernel"] is not None and dtype in _state["checked"]:
         return True
     reason = _unavailable(dtype)
     if reason is None:
         try:
-            from torch.utils.cpp_extension import load as load_extension
-            # -fopenmp: ATen's parallel_for (the requests' KV heads over torch's threads) is OpenMP in its headers
-            mod = load_extension("entmtp_verify_attention", [str(SOURCE)],
-                                 extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                                 verbose=False)
-            _state["kernel"] = mod.multirow_attention
+            if _state["kernel"] is None:
+                from torch.utils.cpp_extension import _get_build_directory
+                from torch.utils.cpp_extension import load as load_extension
+                _clear_stale_lock(Path(_get_build_directory(NAME, verbose=False)))
+                # -fopenmp: ATen's parallel_for (the requests' KV heads over torch's threads) is OpenMP in its
+                # headers
+                mod = load_extension(NAME, [str(SOURCE)], extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"],
+                                     extra_ldflags=["-fopenmp"], verbose=False)
+                _state["kernel"] = mod.multirow_attention
             err = self_check(dtype)
             if err is not None:
                 _state["kernel"] = None
                 reason = err
+            else:
+                _state["checked"].add(dtype)
         except Exception as e:  # noqa: BLE001 - vLLM's kernel serves instead
             _state["kernel"] = None
             reason = f"the kernel did not build: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -75,6 +90,17 @@ def load(dtype: torch.dtype) -> bool:
     if reason:
         logger.info("entmtp: verification attention by vLLM's kernel only: %s", reason)
     return reason is None
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    """Remove a build lock older than :data:`STALE_LOCK_S` (left by a start killed while building)."""
+    lock = build_dir / "lock"
+    try:
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            logger.warning("entmtp: removed a stale build lock of the verification kernel: %s", lock)
+    except OSError:
+        pass
 
 
 def _unavailable(dtype: torch.dtype) -> str | None:
@@ -85,8 +111,30 @@ def _unavailable(dtype: torch.dtype) -> str | None:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     if _get_attn_isa(dtype, 128, 64, "auto") != SUPPORTED_ISA:
         return f"vLLM's CPU attention uses another KV layout than '{SUPPORTED_ISA}' here"
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        return "no C++ compiler (c++ or g++) to build it"
+    compiler = os.environ.get("CXX", "c++")  # what torch's extension builder runs
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}, from $CXX or c++) to build it"
+    from torch.utils.cpp_extension import is_ninja_available
+    if not is_ninja_available():
+        return "no ninja on PATH to build it (torch's extension builder needs it)"
+    return None
+
+
+def layer_limits(impl, layout: str, block_size: int) -> str | None:
+    """Why a layer's attention cannot take the kernel whatever the step (None: it can), from what is fixed at
+    start-up: the KV layout vLLM chose (``layout``, its ISA name), block size, head size, and the layer's options."""
+    if layout != SUPPORTED_ISA:
+        return f"vLLM's KV layout here is '{layout}', not '{SUPPORTED_ISA}'"
+    if block_size % 16:
+        return f"KV block size {block_size} (a multiple of 16 only)"
+    if impl.head_size not in (64, 128):
+        return f"head size {impl.head_size} (64 and 128 only)"
+    if impl.kv_cache_dtype != "auto":
+        return f"KV cache dtype {impl.kv_cache_dtype}"
+    for name, off in (("ALiBi", impl.alibi_slopes is None), ("a sliding window", impl.sliding_window == -1),
+                      ("logit soft-capping", not impl.logits_soft_cap), ("attention sinks", impl.sinks is None)):
+        if not off:
+            return f"{name} in layer attention"
     return None
 
 
@@ -173,22 +221,27 @@ class Split:
     md_v: object | None = None
 
 
-def plan(attn_metadata, impl, isa: str, dtype: torch.dtype) -> Split | None:
-    """The step's :class:`Split`, or None where every request runs vLLM's kernel (no request of 2 to
-    :data:`MAX_ROWS` rows, or a step the kernel does not serve)."""
+def plan(attn_metadata, impl, isa: str, dtype: torch.dtype, verifying=None) -> Split | None:
+    """The step's :class:`Split`, or None where every request runs vLLM's kernel (no request verifying draft
+    tokens with 2 to :data:`MAX_ROWS` rows, or a step the kernel does not serve). ``verifying``: the batch indices
+    of the requests that verify draft tokens this step (the attention override passes the step's); None: every
+    request of 2 to :data:`MAX_ROWS` rows."""
     if attn_metadata.causal is not True or attn_metadata.dynamic_causal is not None:
+        return None
+    if verifying is not None and not verifying:
         return None
     qsl_t = attn_metadata.query_start_loc
     qsl = qsl_t.tolist()
     n = len(qsl) - 1
-    multi = [b for b in range(n) if 2 <= qsl[b + 1] - qsl[b] <= MAX_ROWS]
+    multi = [b for b in range(n) if 2 <= qsl[b + 1] - qsl[b] <= MAX_ROWS and (verifying is None or b in verifying)]
     if not multi:
         return None
     i32 = torch.int32
     seq_lens, table = attn_metadata.seq_lens, attn_metadata.block_table
     split = Split(torch.tensor(multi, dtype=i32), qsl_t.to(i32).contiguous(), seq_lens.to(i32).contiguous(),
                   table.to(i32).contiguous())
-    rest = [b for b in range(n) if not 2 <= qsl[b + 1] - qsl[b] <= MAX_ROWS]
+    chosen = set(multi)
+    rest = [b for b in range(n) if b not in chosen]
     if not rest:
         return split
     import vllm._custom_ops as ops
@@ -208,7 +261,8 @@ def plan(attn_metadata, impl, isa: str, dtype: torch.dtype) -> Split | None:
 
 def serves(impl, layer, kv_cache: torch.Tensor) -> bool:
     """Whether this layer's attention can take the kernel at all (same every step)."""
-    return (_state["on"] and getattr(layer, "isa", None) == SUPPORTED_ISA and impl.alibi_slopes is None
+    return (getattr(impl, "entmtp_verify", False) and _state["kernel"] is not None
+            and getattr(layer, "isa", None) == SUPPORTED_ISA and impl.alibi_slopes is None
             and impl.sliding_window == -1 and not impl.logits_soft_cap and impl.sinks is None
             and impl.kv_cache_dtype == "auto" and kv_cache.is_contiguous()
             and impl.head_size in (64, 128) and kv_cache.shape[2] % 16 == 0)

@@ -1,10 +1,11 @@
 // The attention of requests that verify draft tokens (2 or more query rows each), on vLLM's CPU paged KV cache in
 // its ``vec`` layout (per block and KV head: K transposed ``[head_dim, block_size]``, then V ``[block_size,
 // head_dim]``), causal. Each request's K/V blocks are read once for all its query rows and all query heads of a KV
-// head, the scores kept in registers (vLLM's kernel took 1.36x one row's time for two rows on the project's 2-core
-// EPYC, this one 1.30x, and 0.75x vLLM's for one row: benchmarks/attention_rows.py --kernels vllm,entmtp).
-// AVX-512F; float32 or bfloat16; head_dim 64 or 128; block size a multiple of 16. Built at start-up by
-// vllm_entmtp/verify_attention.py.
+// head, the dot-product and weighted-sum accumulators in registers. On the project's 2-core EPYC (bfloat16, one
+// thread, 16 requests, 300 tokens of context) two rows a request took 1.31x one row's time here and 1.39x in
+// vLLM's kernel (1.30x and 1.54x at 1,000 tokens), and one row 0.76x vLLM's time (0.78x at 1,000):
+// benchmarks/attention_rows.py --kernels vllm,entmtp. AVX-512F; float32 or bfloat16; head_dim 64 or 128; block
+// size a multiple of 16. Built at start-up by vllm_entmtp/verify_attention.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -23,7 +24,7 @@ static inline float ld1(const uint16_t* p) { uint32_t u = ((uint32_t)*p) << 16; 
 static inline void st1(float* p, float x) { *p = x; }
 static inline void st1(uint16_t* p, float x) { uint32_t u; std::memcpy(&u, &x, 4); *p = (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16); }
 
-// exp for x <= 0 (and -inf -> 0): 2^n * p(r), |error| ~ 2 ulp
+// exp for x <= 0: 2^n * p(r); inputs below -87.3 (-inf included) give about 1e-38, masked out by the caller
 static inline __m512 exp512(__m512 x) {
   const __m512 lo = _mm512_set1_ps(-87.3f);
   x = _mm512_max_ps(x, lo);

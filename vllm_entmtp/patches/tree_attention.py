@@ -1,7 +1,7 @@
 """Override of vLLM's CPU attention backend (``CPU_ATTN``) that verifies draft trees, and runs the rows of requests
 that verify draft tokens through the plugin's kernel (:mod:`vllm_entmtp.verify_attention`, option
-``verify_attention``, on the ``vec`` layout with AVX-512; the requests of one row run vLLM's kernel as a batch of
-their own, and a step in which nobody drafts runs vLLM's kernel alone, as plain decoding).
+``verify_attention``, on the ``vec`` layout with AVX-512; the other requests run vLLM's kernel as a batch of their
+own, and a step that verifies no draft token runs vLLM's kernel alone, as plain decoding).
 
 vLLM's CPU kernel (``torch.ops._C.cpu_attention_with_kv_cache``) knows causal masks only. For a request whose
 draft tokens form a tree, the kernel first runs as usual; then the rows whose causal view is wrong (they would
@@ -88,7 +88,8 @@ def tree_rows_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: 
     return out.permute(2, 0, 1, 3).reshape(r, h, d).to(query.dtype)
 
 
-#: The last step's split (its attention metadata, shared by all layers of a step, and the plan).
+#: The splits of the last steps: id of an attention metadata object (one per KV cache group and step, shared by its
+#: layers) -> (the object, held so that its id is not reused, and the plan).
 _SPLIT: dict = {}
 
 
@@ -108,11 +109,13 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         if (attn_metadata is None or self.attn_type != AttentionType.DECODER
                 or not verify_attention.serves(self, layer, kv_cache)):
             return None
-        held = _SPLIT.get("step")
+        held = _SPLIT.get(id(attn_metadata))
         if held is not None and held[0] is attn_metadata:
             return held[1]
-        split = verify_attention.plan(attn_metadata, self, layer.isa, query.dtype)
-        _SPLIT["step"] = (attn_metadata, split)
+        if len(_SPLIT) >= 8:  # a new step (one metadata object per KV cache group and step)
+            _SPLIT.clear()
+        split = verify_attention.plan(attn_metadata, self, layer.isa, query.dtype, verifying=STEP.verifying)
+        _SPLIT[id(attn_metadata)] = (attn_metadata, split)
         return split
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,

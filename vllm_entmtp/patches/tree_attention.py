@@ -106,8 +106,8 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
     def _verify_split(self, layer, kv_cache, attn_metadata, query) -> verify_attention.Split | None:
         """The step's split between vLLM's kernel and the verification kernel (:mod:`vllm_entmtp.verify_attention`;
         None: vLLM's for all), planned in the first layer of the step and kept for the others."""
-        if (attn_metadata is None or self.attn_type != AttentionType.DECODER
-                or not verify_attention.serves(self, layer, kv_cache)):
+        if (attn_metadata is None or not verify_attention.serves(self, layer, kv_cache)
+                or getattr(self, "attn_type", None) != AttentionType.DECODER):
             return None
         held = _SPLIT.get(id(attn_metadata))
         if held is not None and held[0] is attn_metadata:

@@ -238,7 +238,7 @@ class EntMTPProposer(MedusaProposer):
 
         from vllm_entmtp.patches.tree_attention import SUPPORTED_ISA
 
-        if not self._attention_overridden(target_model):
+        if not self._overridden_impls(target_model):
             return False
         mc, cc = self.vllm_config.model_config, self.vllm_config.cache_config
         return _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype) == SUPPORTED_ISA
@@ -258,9 +258,6 @@ class EntMTPProposer(MedusaProposer):
         impls = [m.impl for m in target_model.modules()
                  if isinstance(getattr(m, "impl", None), CPUAttentionBackendImpl)]
         return impls if impls and all(isinstance(i, TreeCPUAttentionImpl) for i in impls) else []
-
-    def _attention_overridden(self, target_model: torch.nn.Module) -> bool:
-        return bool(self._overridden_impls(target_model))
 
     def _verify_kernel(self, target_model: torch.nn.Module, wanted: bool) -> bool:
         """Turn the verification kernel (:mod:`vllm_entmtp.verify_attention`) on for this engine's attention

@@ -124,6 +124,9 @@ class SpecStep:
     fallback: set[int] = field(default_factory=set)
     # batch indices of the requests vLLM scheduled draft tokens for (the verification kernel takes their rows)
     verifying: set[int] = field(default_factory=set)
+    # id of an attention metadata object (one per KV cache group and step, shared by its layers) -> (the object,
+    # held so that its id is not reused, and the step's verify_attention.Split or None)
+    splits: dict[int, tuple] = field(default_factory=dict)
     # per request, the first row of its block in the sampled rows (root, then draft tokens), from vLLM's
     # SpecDecodeMetadata once per step (set_offsets)
     offsets: np.ndarray | None = None
@@ -145,6 +148,7 @@ class SpecStep:
         self.fallback = fallback or set()
         self.kv = {}
         self.plans = {}
+        self.splits = {}
         self.offsets = None
         self.last_rows = {}
         self.paths = {}

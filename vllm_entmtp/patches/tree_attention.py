@@ -88,11 +88,6 @@ def tree_rows_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: 
     return out.permute(2, 0, 1, 3).reshape(r, h, d).to(query.dtype)
 
 
-#: The splits of the last steps: id of an attention metadata object (one per KV cache group and step, shared by its
-#: layers) -> (the object, held so that its id is not reused, and the plan).
-_SPLIT: dict = {}
-
-
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
     """``CPUAttentionBackendImpl`` plus the tree-row fix and a stash of the tree rows' K/V."""
 
@@ -105,17 +100,15 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def _verify_split(self, layer, kv_cache, attn_metadata, query) -> verify_attention.Split | None:
         """The step's split between vLLM's kernel and the verification kernel (:mod:`vllm_entmtp.verify_attention`;
-        None: vLLM's for all), planned in the first layer of the step and kept for the others."""
+        None: vLLM's for all), planned in the first layer of the step and kept in ``STEP.splits`` for the others."""
         if (attn_metadata is None or not verify_attention.serves(self, layer, kv_cache)
                 or getattr(self, "attn_type", None) != AttentionType.DECODER):
             return None
-        held = _SPLIT.get(id(attn_metadata))
+        held = STEP.splits.get(id(attn_metadata))
         if held is not None and held[0] is attn_metadata:
             return held[1]
-        if len(_SPLIT) >= 8:  # a new step (one metadata object per KV cache group and step)
-            _SPLIT.clear()
         split = verify_attention.plan(attn_metadata, self, layer.isa, query.dtype, verifying=STEP.verifying)
-        _SPLIT[id(attn_metadata)] = (attn_metadata, split)
+        STEP.splits[id(attn_metadata)] = (attn_metadata, split)
         return split
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,

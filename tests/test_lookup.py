@@ -211,3 +211,57 @@ def test_lookup_rests_after_declined_steps_and_searches_again_once_a_draft_is_ta
     assert all(r.searches(32) for _ in range(5))
     with pytest.raises(ValueError):
         LookupRests(after=0)
+
+
+def test_an_exploring_step_drafts_the_lookup_drafts_that_unmeasured_costs_decline():
+    """Served on the 2-core EPYC (2026-12-05, chat with long histories, 16 running), prompt lookup found a draft
+    for most requests every step, and where no step of more rows than the batch was measured the costs priced a
+    draft row at a plain token's, so the rule declined every lookup draft; the steps meant to measure drafting
+    (``StepCosts.needs_exploration``) declined them too, on the same costs, and at 16 running the server drafted in
+    3 % of its request-steps while its drafted steps emitted 174 tokens/s against 141 without. An exploring step
+    weighs the lookup drafts without the costs it is there to measure: here, a step of lookup drafts alone (every
+    request's lookup draft beats what the heads could expect, so the heads do not run), one step in
+    ``EXPLORE_UNMEASURED_EVERY`` drafts them, and the rest draft nothing."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from vllm_entmtp.drafter import EntMTPProposer
+    from vllm_entmtp.entropy import EntropyTracker
+    from vllm_entmtp.lookup import LookupRests
+    from vllm_entmtp.step_costs import EXPLORE_UNMEASURED_EVERY, Refills
+
+    n, steps = 16, 2 * EXPLORE_UNMEASURED_EVERY
+    rids = [f"r{i}" for i in range(n)]
+    tokens = np.tile(np.array([11, 12, 13, 14, 15, 16, 17, 18], dtype=np.int32), 8)  # every request repeats itself
+    costs = StepCosts()
+    for _ in range(3):  # plain steps of 8-16 requests; no step of more than 16 rows
+        for rows, seconds in ((8, 0.040), (12, 0.060), (16, 0.100)):
+            costs.record_rows(rows, seconds)
+    d = object.__new__(EntMTPProposer)
+    d.spec_config = SimpleNamespace(entmtp=SimpleNamespace(draft_sources="hybrid"))
+    d.scheduler = TreeScheduler(load_tree_set("default"), "confidence", load_policy="measured")
+    d.tracker, d.lookup, d.lookup_rests = EntropyTracker(), PromptLookup(2, 4, max_tokens=4), LookupRests()
+    d.step_costs, d.refills = costs, Refills()
+    d.runner = SimpleNamespace(
+        input_batch=SimpleNamespace(token_ids_cpu=np.stack([tokens] * n), num_tokens_no_spec=[len(tokens)] * n),
+        requests={r: SimpleNamespace(sampling_params=SamplingParams(temperature=0.0, max_tokens=256),
+                                     output_token_ids=[]) for r in rids})
+    d._req_options = {r: (None, None) for r in rids}
+    d._drafted_at, d._heads_step = {}, None
+    for r in rids:  # a record of accepted lookup drafts: no heads' draft could beat them
+        for _ in range(4):
+            d.lookup.observe(r, 4, 4)
+    assert all(d.lookup.expected(r, 4) >= d.scheduler.best_expected(r) for r in rids)
+    drafted = []
+    for _ in range(steps):
+        chosen, drafts = d._propose_scheduled(None, None, rids, [4] * n, [True] * n)
+        assert not d.heads_ran
+        drafted.append(sum(len(x) for x in drafts))
+        for (t, _), x in zip(chosen, drafts):
+            assert (t, x) in (("lookup", [11, 12, 13, 14]), ("", []))
+    # the exploring steps' budget: the default cap's room at 16 requests, 16 draft nodes (four lookup chains)
+    budget = d.scheduler.exploring_budget(n)
+    explored = [i for i, k in enumerate(drafted) if k]
+    assert explored == [EXPLORE_UNMEASURED_EVERY - 1, steps - 1] and costs.explored(n) == 2, drafted
+    assert all(drafted[i] == budget == 16 for i in explored)

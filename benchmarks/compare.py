@@ -44,7 +44,8 @@ the aggregates), ``report.md`` (tables per task and concurrency) and the plots `
 ``tree_choice.png``.
 
 The tasks: ``humaneval``, ``gsm8k``, ``sharegpt``, ``creative`` and ``mixed`` (their prompts in turn: code, math,
-chat and fiction requests in one batch).
+chat and fiction requests in one batch); on request, ``sharegpt-long`` (chat with its earlier turns: every request's
+context 700-1,800 tokens from its start; give the servers KV cache for it, ``VLLM_CPU_KVCACHE_SPACE=2`` at 32 running).
 
 Speed depends on the machine and on whatever else runs on it, so the report gives ratios between methods measured
 within this one run; with ``--repeats N`` the order of the methods is rotated every repeat and each figure is the

@@ -5,11 +5,11 @@
         --result-json runs/throughput.json
 
 Requests are streamed (``stream: true`` with ``stream_options.include_usage``) to ``/v1/chat/completions``
-(``--endpoint chat``, the prompt as one user turn) or ``/v1/completions`` (``--endpoint completions``, the raw
+(``--endpoint chat``, the prompt's chat messages) or ``/v1/completions`` (``--endpoint completions``, the raw
 prompt text, no chat template). Prompts come from a project prompt set (``humaneval``, ``gsm8k``, ``sharegpt``,
-``mtbench``, ``creative``: :func:`vllm_entmtp.datasets.load_prompts`, eval split) or from a JSONL file of
-``{"prompt": "..."}`` (or ``{"messages": [...]}``) lines; request ``i`` of a level uses prompt ``i mod
-num_prompts``, so every level sends the same prompts in the same order.
+``mtbench``, ``creative``, ``mixed``, ``sharegpt-long``: :func:`vllm_entmtp.datasets.load_prompts`, eval split)
+or from a JSONL file of ``{"prompt": "..."}`` (or ``{"messages": [...]}``) lines; request ``i`` of a level uses
+prompt ``i mod num_prompts``, so every level sends the same prompts in the same order.
 
 Load levels run one after another: ``--concurrency 1,4,16`` keeps that many requests in flight (closed loop);
 ``--request-rate 0.5,2`` sends requests at Poisson arrivals of that many per second (open loop, ``inf`` = all at
@@ -152,9 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="chat: /v1/chat/completions with messages (default); completions: /v1/completions with "
                          "the raw prompt")
     ap.add_argument("--dataset", default="gsm8k",
-                    help="humaneval, gsm8k, sharegpt, mtbench, creative, a .jsonl file of {\"prompt\": ...} "
-                         "lines, or hf:NAME[:SPLIT] for a Hugging Face dataset when the hub is reachable (needs "
-                         "the datasets package; the column: --hf-column) (default gsm8k)")
+                    help="a prompt set (humaneval, gsm8k, sharegpt, mtbench, creative, mixed, sharegpt-long), a .jsonl "
+                         "file of {\"prompt\": ...} lines, or hf:NAME[:SPLIT] for a Hugging Face dataset when the hub "
+                         "is reachable (needs the datasets package; the column: --hf-column) (default gsm8k)")
     ap.add_argument("--hf-column", default=None,
                     help="the prompt column of an hf: dataset (default: the first of " + ", ".join(HF_COLUMNS)
                          + "; a list of {role, content} messages or of ShareGPT {from, value} turns is a chat)")

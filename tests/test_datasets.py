@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from vllm_entmtp.datasets import (GSM8K_EVAL_ROWS, MIXED_SETS, PROMPT_SETS, Prompt, PromptFileError, load_prompts,
-                                  read_jsonl_prompts, sharegpt_split, training_conversations)
+from vllm_entmtp.datasets import (GSM8K_EVAL_ROWS, MIXED_SETS, PROMPT_SETS, SHAREGPT_LONG_CHARS, Prompt,
+                                  PromptFileError, load_prompts, read_jsonl_prompts, sharegpt_split,
+                                  training_conversations)
 
 
 @pytest.mark.parametrize("name,count", [("humaneval", 164), ("gsm8k", GSM8K_EVAL_ROWS), ("mtbench", 80),
@@ -20,9 +21,26 @@ def test_fields_non_empty_and_unique(name):
     assert prompts and all(isinstance(p, Prompt) for p in prompts)
     for p in prompts:
         assert (p.dataset in MIXED_SETS if name == "mixed" else p.dataset == name) and p.id
+        if name == "sharegpt-long":
+            continue
         assert len(p.messages) == 1 and p.messages[0]["role"] == "user"
         assert p.messages[0]["content"].strip()
     assert len({p.id for p in prompts}) == len(prompts)
+
+
+def test_sharegpt_long_is_a_conversation_up_to_a_user_turn():
+    prompts = load_prompts("sharegpt-long")
+    assert 500 < len(prompts) < 1200
+    eval_ids = {p.id for p in load_prompts("sharegpt")}
+    lo, hi = SHAREGPT_LONG_CHARS
+    for p in prompts:
+        roles = [m["role"] for m in p.messages]
+        assert len(roles) >= 3 and roles == ["user", "assistant"] * (len(roles) // 2) + ["user"]
+        assert all(m["content"].strip() for m in p.messages)
+        assert lo <= sum(len(m["content"]) for m in p.messages) < hi
+    # the eval split's conversations only (their first turns are sharegpt's eval prompts)
+    assert len(eval_ids & {p.id for p in prompts}) > len(prompts) // 2
+    assert not {p.id for p in prompts} & {p.id for p in load_prompts("sharegpt-long", split="train")}
 
 
 def test_templates_and_order():

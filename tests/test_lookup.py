@@ -219,9 +219,11 @@ def test_an_exploring_step_drafts_the_lookup_drafts_that_unmeasured_costs_declin
     draft row at a plain token's, so the rule declined every lookup draft; the steps meant to measure drafting
     (``StepCosts.needs_exploration``) declined them too, on the same costs, and at 16 running the server drafted in
     3 % of its request-steps while its drafted steps emitted 174 tokens/s against 141 without. An exploring step
-    weighs the lookup drafts without the costs it is there to measure: here, a step of lookup drafts alone (every
-    request's lookup draft beats what the heads could expect, so the heads do not run), one step in
-    ``EXPLORE_UNMEASURED_EVERY`` drafts them, and the rest draft nothing."""
+    weighs the lookup drafts without the costs it is there to measure, under the exploring budget: here, in steps
+    of lookup drafts alone (every request's lookup draft beats what the heads could expect, so the heads do not
+    run), and in steps where drafting rests on a realised loss, one step in ``EXPLORE_UNMEASURED_EVERY`` drafts
+    as many lookup chains as the exploring budget holds, and the rest draft nothing; a lookup draft drafted is
+    not scored again as one left undrafted."""
     from types import SimpleNamespace
 
     from vllm import SamplingParams
@@ -229,39 +231,52 @@ def test_an_exploring_step_drafts_the_lookup_drafts_that_unmeasured_costs_declin
     from vllm_entmtp.drafter import EntMTPProposer
     from vllm_entmtp.entropy import EntropyTracker
     from vllm_entmtp.lookup import LookupRests
-    from vllm_entmtp.step_costs import EXPLORE_UNMEASURED_EVERY, Refills
+    from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, EXPLORE_UNMEASURED_EVERY, Refills
 
     n, steps = 16, 2 * EXPLORE_UNMEASURED_EVERY
     rids = [f"r{i}" for i in range(n)]
     tokens = np.tile(np.array([11, 12, 13, 14, 15, 16, 17, 18], dtype=np.int32), 8)  # every request repeats itself
-    costs = StepCosts()
-    for _ in range(3):  # plain steps of 8-16 requests; no step of more than 16 rows
-        for rows, seconds in ((8, 0.040), (12, 0.060), (16, 0.100)):
-            costs.record_rows(rows, seconds)
-    d = object.__new__(EntMTPProposer)
-    d.spec_config = SimpleNamespace(entmtp=SimpleNamespace(draft_sources="hybrid"))
-    d.scheduler = TreeScheduler(load_tree_set("default"), "confidence", load_policy="measured")
-    d.tracker, d.lookup, d.lookup_rests = EntropyTracker(), PromptLookup(2, 4, max_tokens=4), LookupRests()
-    d.step_costs, d.refills = costs, Refills()
-    d.runner = SimpleNamespace(
-        input_batch=SimpleNamespace(token_ids_cpu=np.stack([tokens] * n), num_tokens_no_spec=[len(tokens)] * n),
-        requests={r: SimpleNamespace(sampling_params=SamplingParams(temperature=0.0, max_tokens=256),
-                                     output_token_ids=[]) for r in rids})
-    d._req_options = {r: (None, None) for r in rids}
-    d._drafted_at, d._heads_step = {}, None
-    for r in rids:  # a record of accepted lookup drafts: no heads' draft could beat them
-        for _ in range(4):
-            d.lookup.observe(r, 4, 4)
-    assert all(d.lookup.expected(r, 4) >= d.scheduler.best_expected(r) for r in rids)
-    drafted = []
-    for _ in range(steps):
-        chosen, drafts = d._propose_scheduled(None, None, rids, [4] * n, [True] * n)
-        assert not d.heads_ran
-        drafted.append(sum(len(x) for x in drafts))
-        for (t, _), x in zip(chosen, drafts):
-            assert (t, x) in (("lookup", [11, 12, 13, 14]), ("", []))
-    # the exploring steps' budget: the default cap's room at 16 requests, 16 draft nodes (four lookup chains)
-    budget = d.scheduler.exploring_budget(n)
-    explored = [i for i, k in enumerate(drafted) if k]
-    assert explored == [EXPLORE_UNMEASURED_EVERY - 1, steps - 1] and costs.explored(n) == 2, drafted
-    assert all(drafted[i] == budget == 16 for i in explored)
+
+    def drafter(resting: bool):
+        costs = StepCosts()
+        for _ in range(3):  # plain steps of 8-16 requests; no step of more than 16 rows
+            for rows, seconds in ((8, 0.040), (12, 0.060), (16, 0.100)):
+                costs.record_rows(rows, seconds)
+        if resting:  # the realised comparison: steps that verified drafts emitted fewer tokens per second
+            for _ in range(COMPARE_MIN_DRAFTING + 1):  # (a key's first observation is dropped)
+                costs.record_step(n, 2 * n, 0.250, True)
+                costs.record_step(n, n, 0.100, False)
+            assert costs.drafting_loses(n)
+        d = object.__new__(EntMTPProposer)
+        d.spec_config = SimpleNamespace(entmtp=SimpleNamespace(draft_sources="hybrid"))
+        d.scheduler = TreeScheduler(load_tree_set("default"), "confidence", load_policy="measured")
+        d.tracker, d.lookup, d.lookup_rests = EntropyTracker(), PromptLookup(2, 4, max_tokens=4), LookupRests()
+        d.step_costs, d.refills = costs, Refills()
+        d.runner = SimpleNamespace(
+            input_batch=SimpleNamespace(token_ids_cpu=np.stack([tokens] * n), num_tokens_no_spec=[len(tokens)] * n),
+            requests={r: SimpleNamespace(sampling_params=SamplingParams(temperature=0.0, max_tokens=256),
+                                         output_token_ids=[]) for r in rids})
+        d._req_options = {r: (None, None) for r in rids}
+        d._drafted_at, d._heads_step = {}, None
+        for r in rids:  # a record of accepted lookup drafts: no heads' draft could beat them
+            for _ in range(4):
+                d.lookup.observe(r, 4, 4)
+        assert all(d.lookup.expected(r, 4) >= d.scheduler.best_expected(r) for r in rids)
+        return d, costs
+
+    for resting in (False, True):  # a step of lookup drafts alone, or one where drafting rests on a loss
+        d, costs = drafter(resting)
+        drafted = []
+        for _ in range(steps):
+            chosen, drafts = d._propose_scheduled(None, None, rids, [4] * n, [True] * n)
+            assert not d.heads_ran
+            drafted.append(sum(len(x) for x in drafts))
+            for r, (t, _), x in zip(rids, chosen, drafts):
+                assert (t, x) in (("lookup", [11, 12, 13, 14]), ("", []))
+                if drafted[-1]:  # a lookup draft drafted is scored by its verification, one declined by the text after
+                    assert (r in d.lookup._unsent) == (t != "lookup")
+        # the exploring steps' budget: the default cap's room at 16 requests, 16 draft nodes (four lookup chains)
+        budget = d.scheduler.exploring_budget(n)
+        explored = [i for i, k in enumerate(drafted) if k]
+        assert explored == [EXPLORE_UNMEASURED_EVERY - 1, steps - 1] and costs.explored(n) == 2, (resting, drafted)
+        assert all(drafted[i] == budget == 16 for i in explored), (resting, drafted)

@@ -465,8 +465,8 @@ class EntMTPProposer(MedusaProposer):
         (``draft_sources``), each request's lookup chain is weighed against the heads' draft
         (:meth:`~vllm_entmtp.scheduler.TreeScheduler.fit_lookup`; in an exploring step without the costs, as the
         heads' trees); when every drafting request's lookup draft beats what the heads could expect, the heads
-        do not run, and a step in which the costs declined every lookup draft and the heads drafted nothing
-        counts as one in which no draft paid (it may explore). Served on chat with long histories at 16 running
+        do not run, and a step in which they did not run and the costs declined every lookup draft counts as one
+        in which no draft paid (it may explore). Served on chat with long histories at 16 running
         (2026-12-05), the exploring steps had weighed the lookup drafts with the costs they were there to
         measure, declined them, and measured nothing: the server drafted in 3 % of its request-steps while its
         drafted steps emitted 174 tokens/s against 141 without."""
@@ -509,6 +509,9 @@ class EntMTPProposer(MedusaProposer):
         elif not skip and not explore and costs is not None and free and not costs.drafted_line_known(n):
             # drafts that pay by the line through plain and drafted steps, which spreads a step's fixed cost
             explore, asked = costs.needs_exploration(n, unmeasured_line=True), True
+        if explore:  # the schedule's and prompt lookup's drafts under the exploring budget (the default cap's room,
+            # or the ladder's smallest tree for every request), as before the costs were measured
+            budget = self.scheduler.exploring_budget(n, costs.explored(n))
         # requests none of whose drafts could pay at this load, by their own acceptance, do not run the heads
         # (exploring steps run them for every request: their acceptance is measured again there)
         floor = None if skip or explore or costs is None or not free else self.scheduler.paying_ratio(n, costs)
@@ -533,10 +536,6 @@ class EntMTPProposer(MedusaProposer):
             drafts = [[] for _ in req_ids]
         else:
             signals = self.tracker.signals_batch(req_ids)
-            # exploring: the schedule's choice under the exploring budget (the default cap's room, or the ladder's
-            # smallest tree for every request), as before the costs were measured
-            if explore:
-                budget = self.scheduler.exploring_budget(n, costs.explored(n))
             # the lookup drafts that win anyway take their nodes first; the heads' trees share what is left
             heads_budget = None if budget is None else max(budget - sum(len(lookups[i]) for i in sure), 0)
             # the confidence pass is spent: only the rest of the drafting is weighed against the drafts, the head
@@ -569,11 +568,11 @@ class EntMTPProposer(MedusaProposer):
         if lookups:  # an exploring step weighs them as the heads' trees, without the costs it is there to measure
             chosen, drafts = self._weigh_lookup(req_ids, lookups, sure, chosen, drafts, None if explore else costs,
                                                 budget)
-            if (not explore and not asked and costs is not None and free and not probe and not any(drafts)
-                    and costs.needs_exploration(n)):
-                # the costs declined every lookup draft and the heads drafted nothing (a step of lookup drafts
-                # alone): where no step of more rows is measured they price a draft row at a plain token's, so
-                # this step explores with the lookup drafts, or no draft would ever be measured here
+            if (skip and not explore and not asked and costs is not None and free and not probe
+                    and not any(drafts) and costs.needs_exploration(n)):
+                # the costs declined every lookup draft of a step in which the heads did not run: where no step of
+                # more rows is measured they price a draft row at a plain token's, so this step explores with the
+                # lookup drafts, or no draft would ever be measured here
                 explore = True
                 chosen, drafts = self._weigh_lookup(req_ids, lookups, sure, chosen, drafts, None,
                                                     self.scheduler.exploring_budget(n, costs.explored(n)))
@@ -663,6 +662,7 @@ class EntMTPProposer(MedusaProposer):
             if i in switch:
                 chosen[i] = (LOOKUP_ID, _chain(len(lookups[i])))
                 drafts[i] = list(lookups[i])
+                self.lookup.forget_unsent(req_ids[i])  # declined by a first weighing of this step, if any
                 continue
             if i in sure:  # not worth its rows at this load, and the heads did not draft it
                 chosen[i], drafts[i] = ("", None), []

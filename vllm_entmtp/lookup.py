@@ -166,6 +166,11 @@ class PromptLookup:
         had ``num_tokens`` tokens: :meth:`score_unsent` scores it against what the target then emitted."""
         self._unsent[req_id] = (draft, num_tokens)
 
+    def forget_unsent(self, req_id: str) -> None:
+        """``req_id``'s lookup draft remembered this step was drafted after all (weighed again): its verification
+        scores it, not :meth:`score_unsent`."""
+        self._unsent.pop(req_id, None)
+
     def score_unsent(self, req_id: str, tokens: np.ndarray) -> None:
         """Score ``req_id``'s remembered lookup draft against ``tokens`` (its prompt and output now) as if it had
         been verified: a draft token counts as accepted while it equals the token the target emitted there (for

@@ -230,18 +230,16 @@ class EntMTPProposer(MedusaProposer):
         registered by the runner patch), unless ``$VLLM_ENTMTP_TREE_ATTENTION=0``."""
         if os.environ.get(TREE_ATTENTION_ENV) == "0":
             return False
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            return False
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
         from vllm_entmtp.patches.tree_attention import SUPPORTED_ISA
 
-        if not self._overridden_impls(target_model):
-            return False
+        return bool(self._overridden_impls(target_model)) and self._kv_layout() == SUPPORTED_ISA
+
+    def _kv_layout(self) -> str:
+        """vLLM's CPU attention KV layout (``vec``, ``amx``, ...) for this engine's dtype, block and head size."""
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
         mc, cc = self.vllm_config.model_config, self.vllm_config.cache_config
-        return _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype) == SUPPORTED_ISA
+        return _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
 
     @staticmethod
     def _overridden_impls(target_model: torch.nn.Module) -> list:
@@ -266,11 +264,8 @@ class EntMTPProposer(MedusaProposer):
         impls = self._overridden_impls(target_model)
         on = wanted and bool(impls) and verify_attention.load(self.dtype)
         if on:
-            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-            mc, cc = self.vllm_config.model_config, self.vllm_config.cache_config
-            layout = _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
-            why = sorted({r for i in impls if (r := verify_attention.layer_limits(i, layout, cc.block_size))})
+            layout, block_size = self._kv_layout(), self.vllm_config.cache_config.block_size
+            why = sorted({r for i in impls if (r := verify_attention.layer_limits(i, layout, block_size))})
             if why:
                 logger.info("entmtp: verification attention by vLLM's kernel only: %s", "; ".join(why))
                 on = False

@@ -86,3 +86,41 @@ def write_public_checkpoint(path, config: dict, state: dict, stem: str, fmt: str
     else:
         save_file({k: v.contiguous().clone() for k, v in state.items()}, str(path / f"{stem}.safetensors"))
     return path
+
+
+def lookup_drafter(costs, outputs: list[int], draft_sources: str = "lookup", max_tokens: int = 256):
+    """An ``EntMTPProposer`` for ``_propose_scheduled`` without a model (built without its ``__init__``): real
+    scheduler (the default tree set, measured load rule), entropy tracker, prompt lookup (chains of 4), lookup rests,
+    ``costs`` (a ``StepCosts``) and ``Refills``; one request per entry of ``outputs`` (``r0``, ``r1``, ...: that many
+    output tokens so far, of ``max_tokens``), each repeating ``11 .. 18`` so that prompt lookup finds
+    ``[11, 12, 13, 14]``, with a record of lookup drafts of 4 tokens of which one was accepted."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from vllm import SamplingParams
+
+    from vllm_entmtp.drafter import EntMTPProposer
+    from vllm_entmtp.entropy import EntropyTracker
+    from vllm_entmtp.lookup import LookupRests, PromptLookup
+    from vllm_entmtp.scheduler import TreeScheduler
+    from vllm_entmtp.step_costs import Refills
+    from vllm_entmtp.trees import load_tree_set
+
+    n = len(outputs)
+    rids = [f"r{i}" for i in range(n)]
+    tokens = np.tile(np.array([11, 12, 13, 14, 15, 16, 17, 18], dtype=np.int32), 8)
+    d = object.__new__(EntMTPProposer)
+    d.spec_config = SimpleNamespace(entmtp=SimpleNamespace(draft_sources=draft_sources))
+    d.scheduler = TreeScheduler(load_tree_set("default"), "confidence", load_policy="measured")
+    d.tracker, d.lookup, d.lookup_rests = EntropyTracker(), PromptLookup(2, 4, max_tokens=4), LookupRests()
+    d.step_costs, d.refills, d.num_speculative_tokens = costs, Refills(), 4
+    d.runner = SimpleNamespace(
+        input_batch=SimpleNamespace(token_ids_cpu=np.stack([tokens] * n), num_tokens_no_spec=[len(tokens)] * n),
+        requests={r: SimpleNamespace(sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                                     output_token_ids=[0] * out) for r, out in zip(rids, outputs)})
+    d._req_options = {r: (None, None) for r in rids}
+    d._drafted_at, d._heads_step = {}, None
+    for r in rids:
+        for _ in range(4):
+            d.lookup.observe(r, 4, 1)
+    return d, rids

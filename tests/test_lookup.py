@@ -280,3 +280,96 @@ def test_an_exploring_step_drafts_the_lookup_drafts_that_unmeasured_costs_declin
         explored = [i for i, k in enumerate(drafted) if k]
         assert explored == [EXPLORE_UNMEASURED_EVERY - 1, steps - 1] and costs.explored(n) == 2, (resting, drafted)
         assert all(drafted[i] == budget == 16 for i in explored), (resting, drafted)
+
+
+def _draining_drafter(n: int, draining: bool, resting: bool, others_out: int = 200):
+    """conftest.lookup_drafter over ``n`` requests, ``r0`` with no output yet and the others with ``others_out`` tokens
+    (of 256); step costs of 20 ms at 1 row, 48 ms at 16, 1.5 ms a further row; ``resting``: the full batch's steps
+    that verified drafts emitted fewer tokens per second than those that verified none; ``draining``: a request
+    finished and none came in its place."""
+    from conftest import lookup_drafter
+
+    from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, REFILL_WAIT
+
+    costs = StepCosts()
+    for _ in range(3):
+        for rows, seconds in ((1, 0.020), (16, 0.048), (32, 0.072)):
+            costs.record_rows(rows, seconds)
+    if resting:
+        for _ in range(COMPARE_MIN_DRAFTING + 1):
+            costs.record_step(n, 2 * n, 0.150, True)
+            costs.record_step(n, n, 0.048, False)
+        assert costs.drafting_loses(n)
+    d, rids = lookup_drafter(costs, [0] + [others_out] * (n - 1))
+    d.refills.step(arrived=n, finished=0, continuing=0)
+    if draining:
+        for finished in [1] + [0] * REFILL_WAIT:
+            d.refills.step(arrived=0, finished=finished, continuing=n)
+    assert d.refills.draining == draining
+    return d, costs, rids
+
+
+def test_while_the_batch_drains_the_last_request_drafts_what_its_tokens_are_worth_at_the_end():
+    """Served on the 2-core EPYC (2026-12-06, bfloat16, GSM8K, 32 requests at 16 running), the second half of a
+    level drained in a third of its time and drafted in a third of those steps: the rules priced
+    the last requests' accepted tokens as plain tokens of the batch running, and rested on the realised loss of the
+    full batch's steps. Here 16 requests drain and one has 256 tokens left, the others 56: its lookup chain
+    (about one token expected for 4 rows, 6 ms) is declined by the batch's tokens per second (3 ms a token) and
+    taken at the worth of a step of one row (20 ms, ``StepCosts.token_value``), whether or not the full batch's
+    steps rest on a loss; the requests ahead draft nothing. Where the others have more than half as many tokens
+    left, they are as likely to finish last, and every token counts alike."""
+    n = 16
+    d, costs, rids = _draining_drafter(n, draining=False, resting=False)
+    assert 0.5 < d.lookup.expected("r0", 4) < 1.5 and costs.token_value(n, 1) == pytest.approx(0.020)
+    _, drafts = d._propose_scheduled(None, None, rids, [4] * n, [True] * n)
+    assert drafts == [[]] * n and not d._valued  # 1 token for 6 ms: under the batch's 1 per 3 ms
+    for resting in (False, True):
+        d, costs, rids = _draining_drafter(n, draining=True, resting=resting)
+        chosen, drafts = d._propose_scheduled(None, None, rids, [4] * n, [True] * n)
+        assert drafts == [[11, 12, 13, 14]] + [[]] * (n - 1) and chosen[0][0] == "lookup", resting
+        assert d._valued and not d.heads_ran
+    # with 156 tokens left the others are as likely to finish last (LAST_SHARE): every token counts alike
+    d, _, rids = _draining_drafter(n, draining=True, resting=False, others_out=100)
+    _, drafts = d._propose_scheduled(None, None, rids, [4] * n, [True] * n)
+    assert drafts == [[]] * n and not d._valued
+
+
+def test_the_load_trace_records_the_rules_answers_and_the_drafts_of_each_step(tmp_path):
+    """benchmarks/load_trace.py: the step hook wraps the drafter's load-rule calls on its first step and writes, per
+    engine step, the step's requests and verified draft tokens with the decisions of the drafter's call before it;
+    the summary splits levels at gaps and counts the drain's steps, drafted and not."""
+    from types import SimpleNamespace
+
+    from conftest import load_benchmark
+
+    lt = load_benchmark("load_trace")
+    n = 16
+    d, _, rids = _draining_drafter(n, draining=True, resting=True)
+    hook = lt.LoadTrace(str(tmp_path / "trace"))
+    runner = SimpleNamespace(drafter=d)
+
+    def step(t, spec):
+        hook(runner, SimpleNamespace(num_scheduled_tokens={r: 1 + (4 if r in spec else 0) for r in rids},
+                                     scheduled_new_reqs=[], scheduled_spec_decode_tokens=spec), t)
+
+    step(0.0, {})
+    d._propose_scheduled(None, None, rids, [4] * n, [True] * n)
+    step(0.05, {"r0": [11, 12, 13, 14]})
+    d._propose_scheduled(None, None, rids, [4] * n, [True] * n)
+    step(0.09, {"r0": [11, 12, 13, 14]})
+    step(5.0, {})  # a new level
+    step(5.03, {})
+    rows = lt.read(hook.path)
+    assert [r["spec"] for r in rows] == [0, 4, 4, 0, 0] and all(r["reqs"] == n for r in rows)
+    first = rows[1]  # the drafter's call that ended step 0
+    assert first["n"] == n and first["draining"] and first["valued"] and first["drafted"] == 1
+    assert first["draft_tokens"] == 4 and first["probe"] == [False] and "loses" not in first  # valued: no rest
+    assert "n" not in rows[0] and "n" not in rows[3]  # no call before them
+    levels = lt.levels(rows)
+    assert [len(lv) for lv in levels] == [3, 2]
+    s = lt.summarize(levels[0])
+    assert s["steps"] == 3 and s["seconds"] == pytest.approx(0.09)
+    assert s["by_batch"][n]["plain_steps"] == 1 and s["by_batch"][n]["drafted_steps"] == 1
+    # step 1 drained (its drafts were proposed in a draining batch) and verified a draft; step 0 is not known to
+    assert s["draining"]["steps"] == 1 and s["draining"]["drafted_steps"] == 1 and s["draining"]["probe"] == 0
+    assert "level 0: 3 steps" in lt.report([hook.path], min_steps=1)

@@ -761,15 +761,56 @@ def test_a_batch_drains_once_a_finished_request_is_not_replaced():
 
 
 def test_while_the_batch_drains_only_the_requests_with_the_most_tokens_left_may_draft():
-    """last_to_finish: within slack of the request with the most tokens left (its max_tokens less its output); a
-    request whose tokens left are unknown may draft; with none known, all may."""
-    from vllm_entmtp.step_costs import last_to_finish
+    """last_to_finish: within slack of the request with the most tokens left (its max_tokens less its output), or
+    within LAST_SHARE of its tokens left, whichever is more (most requests end on an end-of-sequence token before
+    their max_tokens: nearly as many tokens left is as likely last); a request whose tokens left are unknown may
+    draft; with none known, all may."""
+    from vllm_entmtp.step_costs import LAST_SHARE, last_to_finish
 
-    assert last_to_finish([60, 57, 56, 40, 3], slack=4) == [True, True, True, False, False]
+    assert LAST_SHARE == 0.5
+    assert last_to_finish([60, 57, 56, 40, 29, 3], slack=4) == [True, True, True, True, False, False]
+    assert last_to_finish([10, 5, 4, 3], slack=6) == [True, True, True, False]  # slack is more than half of 10
     assert last_to_finish([60, None, 10], slack=4) == [True, True, False]
     assert last_to_finish([None, None], slack=4) == [True, True]
     assert last_to_finish([5, 5, 5], slack=0) == [True, True, True]  # tied: each is among the last
     assert last_to_finish([], slack=4) == []
+
+
+def test_while_the_batch_drains_a_token_of_the_last_request_is_worth_a_step_of_the_batch_left_at_the_end():
+    """StepCosts.token_value: with some requests ahead, an accepted draft token of the requests with the most tokens
+    left brings the batch's end a step sooner, a step of about as many rows as they are, shared by them; where
+    that is not COMPARE_MARGIN more than a plain token of the batch running, None (the batch's tokens per second
+    judge). Weighed by that worth, a lone last request's drafts pay at
+    16 requests where by the batch's tokens per second they do not (and the requests that may not draft are idle:
+    they share no drafting cost)."""
+    s = TreeScheduler(_costed_set(), "confidence", hysteresis=0.0, warmup_steps=0)
+    # 1 row 20 ms, 16 rows 48 ms (3 ms a token), 1.5 ms a further row; drafting 1 ms
+    c = _costs({1: 0.020, 16: 0.048, 32: 0.048 + 16 * 0.0015}, draft_s=0.001)
+    assert c.token_value(16, 1) == pytest.approx(0.020)  # the last request alone: a step of one row
+    assert c.token_value(16, 4) == pytest.approx((0.020 + 0.028 * 3 / 15) / 4)  # 4 rows of 25.6 ms, shared
+    # 15 of 16 behind: 3.08 ms a token against 3.0, not COMPARE_MARGIN more; every token counts about alike
+    assert c.rows_time(15) / 15 > 0.048 / 16 and c.token_value(16, 15) is None
+    assert _costs({8: 0.016, 16: 0.048}).token_value(16, 4) is None  # extrapolated below 8 rows, 0 ms at 4
+    assert c.token_value(16, 16) is None and c.token_value(16, 0) is None  # nobody ahead: tokens per second
+    assert c.token_value(16, 1) is not None and _costs({16: 0.048}).token_value(16, 1) is None  # curve unknown
+    rids = [f"r{i}" for i in range(16)]
+    confident = [conf(0.9)] * 16
+    value = c.token_value(16, 1)
+    # by tokens per second: one request's drafts cannot carry the heads' 1 ms (16.7 tokens in 50.5 ms vs 16 in 48)
+    assert not s.drafting_pays(16, c, drafting=1)
+    assert ids(s.choose(rids, confident, None, c, idle=range(1, 16))) == [None] * 16
+    # every request drafting shares the drafting: small pays for each (0.7 tokens for 1.5 ms of rows)
+    assert ids(s.choose(rids, confident, None, c)) == ["small"] * 16
+    # worth a 20-ms step each, the last request's drafts pay, and big's 3 more rows (0.8 tokens for 4.5 ms) too
+    assert s.drafting_pays(16, c, drafting=1, token_value=value)
+    assert ids(s.choose(rids, confident, None, c, token_value=value, idle=range(1, 16))) == ["big"] + [None] * 15
+    # the least acceptance record at which a request's heads could pay: lower at the drain's worth, higher where
+    # the one request left to the heads carries the whole drafting time (1 ms, not a sixteenth of it)
+    assert s.paying_ratio(16, c, value) < s.paying_ratio(16, c)
+    assert s.paying_ratio(16, c, value) < s.paying_ratio(16, c, value, drafting=1)
+    # an unsure last request: 0.12 tokens (small, bin 2) are worth 2.4 ms against 1.5 ms of rows and 1 ms drafting
+    assert ids(s.choose(rids, [conf(0.35)] + confident[1:], None, c, token_value=value, idle=range(1, 16))) == [
+        None] * 16
 
 
 def test_a_first_observation_is_dropped_when_a_second_arrives():

@@ -82,9 +82,11 @@ class EntMTPProposer(MedusaProposer):
     draft_seconds = 0.0  # this step: the part of heads_seconds after the schedule's choice (the drafts)
     _draft_fell_back = False  # this step's drafts were made request by request after the batch's call failed
     _proposed_free = True  # the last drafts proposed: no request of that step was held to a tree
+    _valued = False  # the last drafts proposed: weighed by StepCosts.token_value (a draining batch, requests ahead)
     _heads_nodes: tuple[int, int] | None = None  # this step: the heads' draft nodes, and all draft nodes
     _heads_exploring = False  # this step's drafts explore (StepCosts.needs_exploration): not the rule's own choice
-    # last step that ran the heads: (batch size, seconds they added, whether it explored)
+    # last step that ran the heads: (batch size, seconds they added, whether its yield is not kept: it explored or
+    # was weighed by StepCosts.token_value)
     _heads_step: tuple[int, float, bool] | None = None
 
     def load_model(self, target_model: torch.nn.Module) -> None:
@@ -464,32 +466,42 @@ class EntMTPProposer(MedusaProposer):
         in which no draft paid (it may explore). Served on chat with long histories at 16 running
         (2026-12-05), the exploring steps had weighed the lookup drafts with the costs they were there to
         measure, declined them, and measured nothing: the server drafted in 3 % of its request-steps while its
-        drafted steps emitted 174 tokens/s against 141 without."""
+        drafted steps emitted 174 tokens/s against 141 without. While the batch drains, only the requests with
+        the most tokens left may draft (:func:`~vllm_entmtp.step_costs.last_to_finish`), and where they are
+        clearly behind the rest their drafts are weighed by what a token of theirs is worth at the batch's end
+        (:meth:`~vllm_entmtp.step_costs.StepCosts.token_value`): such a step neither rests on the realised
+        comparison nor asks for a reference step for it, and prompt lookup searches whatever its rests say."""
         top1 = state = None
         n = len(req_ids)
         self._heads_nodes = None  # set below once this step's drafts are known (a fault on the way leaves None)
+        self._valued = False
         self.draft_seconds = 0.0
         forced = [self._options(rid)[1] for rid in req_ids]
         costs = self.step_costs
         free = all(f is None for f in forced)
         self._proposed_free = free
+        value = None  # seconds of step time an accepted draft token is worth (None: a plain token's at this load)
         if costs is not None and free and self.refills.draining:
-            # the batch drains: only the requests with the most tokens left can bring its end sooner
+            # the batch drains: only the requests with the most tokens left can bring its end sooner, and each of
+            # their accepted tokens by a step of the batch left at the end (StepCosts.token_value)
             behind = last_to_finish([self._tokens_left(r) for r in req_ids], self.num_speculative_tokens)
             budgets = [b if keep else 0 for b, keep in zip(budgets, behind)]
+            value = costs.token_value(n, sum(behind))
+        self._valued = value is not None
         # a plain step of this many rows is not measured, or the realised comparison lacks recent steps without drafts
-        probe = costs is not None and free and (costs.needs_probe(n) or costs.needs_reference(n))
+        probe = costs is not None and free and (costs.needs_probe(n) or (value is None and costs.needs_reference(n)))
         # where the steps that verified drafts have not emitted COMPARE_MARGIN more tokens per second than those that
         # verified none, nothing is drafted (no lookup search, no head), but now and then the schedule explores
-        # (needs_exploration)
-        resting = costs is not None and free and not probe and costs.drafting_loses(n)
+        # (needs_exploration); not while the batch drains with some requests ahead, where tokens per second of the
+        # whole batch are not what a draft is for
+        resting = costs is not None and free and not probe and value is None and costs.drafting_loses(n)
         explore = resting and costs.needs_exploration(n)  # drafting is measured again (StepCosts)
         asked = resting  # whether this step was counted towards exploring (needs_exploration)
         rest = resting and not explore
         budget = self.scheduler.node_budget(n)  # draft nodes of the step in all, heads' and lookup's (None: no cap)
         # under the measured rule, prompt lookup searches less at a batch size where its drafts keep being declined
         search = not (probe or rest or self.lookup is None or budget == 0) and (
-            costs is None or not free or self.lookup_rests.searches(n))
+            costs is None or not free or value is not None or self.lookup_rests.searches(n))
         lookups = self._lookup_drafts(req_ids, budgets, active, forced) if search else {}
         heads_only_lookup = self.spec_config.entmtp.draft_sources == "lookup"
         sure = {i for i, toks in lookups.items()  # lookup drafts no heads' draft could beat
@@ -498,7 +510,7 @@ class EntMTPProposer(MedusaProposer):
         want_heads = [i for i in range(n) if budgets[i] > 0 and (active is None or active[i]) and i not in sure]
         skip = probe or rest or heads_only_lookup or not want_heads or (budget == 0 and free)  # budget 0: no room
         if (not skip and not explore and costs is not None and free
-                and not self.scheduler.drafting_pays(n, costs, drafting=len(want_heads))):
+                and not self.scheduler.drafting_pays(n, costs, drafting=len(want_heads), token_value=value)):
             explore, asked = costs.needs_exploration(n), True
             skip = not explore
         elif not skip and not explore and costs is not None and free and not costs.drafted_line_known(n):
@@ -509,7 +521,8 @@ class EntMTPProposer(MedusaProposer):
             budget = self.scheduler.exploring_budget(n, costs.explored(n))
         # requests none of whose drafts could pay at this load, by their own acceptance, do not run the heads
         # (exploring steps run them for every request: their acceptance is measured again there)
-        floor = None if skip or explore or costs is None or not free else self.scheduler.paying_ratio(n, costs)
+        floor = None if skip or explore or costs is None or not free else self.scheduler.paying_ratio(
+            n, costs, value, drafting=None if value is None else len(want_heads))
         unpaying = set() if floor is None else {
             i for i in want_heads if not self.scheduler.request_may_pay(req_ids[i], floor)}
         if unpaying:
@@ -540,7 +553,9 @@ class EntMTPProposer(MedusaProposer):
             choices = self.scheduler.choose(req_ids, signals, heads_budget, None if explore else costs,
                                             skip=sure | unpaying,
                                             sunk_seconds=heads_seconds if top1 is not None else 0.0,
-                                            covered_levels=covered)
+                                            covered_levels=covered, token_value=value,
+                                            idle=[i for i in range(n) if budgets[i] <= 0 or (active is not None
+                                                                                            and not active[i])])
             forced_at = [f is not None for f in forced]
             for i, f in enumerate(forced):
                 if f is not None:
@@ -562,7 +577,7 @@ class EntMTPProposer(MedusaProposer):
                 costs.record_levels(n, getattr(self.drafter, "levels_run", 0), self.draft_seconds)
         if lookups:  # an exploring step weighs them as the heads' trees, without the costs it is there to measure
             chosen, drafts = self._weigh_lookup(req_ids, lookups, sure, chosen, drafts, None if explore else costs,
-                                                budget)
+                                                budget, value)
             if (skip and not explore and not asked and costs is not None and free and not probe
                     and not any(drafts) and costs.needs_exploration(n)):
                 # the costs declined every lookup draft of a step in which the heads did not run: where no step of
@@ -571,11 +586,11 @@ class EntMTPProposer(MedusaProposer):
                 explore = True
                 chosen, drafts = self._weigh_lookup(req_ids, lookups, sure, chosen, drafts, None,
                                                     self.scheduler.exploring_budget(n, costs.explored(n)))
-        if search and costs is not None and free:
+        if search and costs is not None and free and value is None:  # LookupRests learns the rule's own steps
             self.lookup_rests.record(n, found=bool(lookups),
                                      taken=any(t == LOOKUP_ID for (t, _), d in zip(chosen, drafts) if d))
-        # the heads' yield is kept for steps the load rule judges (not those with a request held to a tree, nor
-        # exploring steps: StepCosts.record_heads_yield)
+        # the heads' yield is kept for steps the load rule judges by tokens per second (not those with a request
+        # held to a tree, nor exploring steps, nor those weighed by StepCosts.token_value: record_heads_yield)
         self._heads_exploring = explore
         self._heads_nodes = None if skip or not free else (
             sum(len(d) for (t, _), d in zip(chosen, drafts) if d and t != LOOKUP_ID), sum(len(d) for d in drafts))
@@ -643,14 +658,15 @@ class EntMTPProposer(MedusaProposer):
             fault(self, "draft", [req_ids[i] for i in rows], e)
             return {}
 
-    def _weigh_lookup(self, req_ids, lookups, sure, chosen, drafts, costs, budget):
+    def _weigh_lookup(self, req_ids, lookups, sure, chosen, drafts, costs, budget, value=None):
         """Each request's draft source: its lookup chain where :meth:`TreeScheduler.fit_lookup` says so, within
-        ``budget`` draft nodes in all (None: no cap)."""
+        ``budget`` draft nodes in all (None: no cap); ``value``: what an accepted draft token is worth while the
+        batch drains (:meth:`~vllm_entmtp.step_costs.StepCosts.token_value`)."""
         nodes = [len(d) for d in drafts]
         acc = [self.scheduler.chosen_expected(rid, t if d else None) if i not in sure else 0.0
                for i, (rid, (_, t), d) in enumerate(zip(req_ids, chosen, drafts))]
         cands = {i: (len(toks), self.lookup.expected(req_ids[i], len(toks))) for i, toks in lookups.items()}
-        switch = set(self.scheduler.fit_lookup(len(req_ids), nodes, acc, cands, costs, budget))
+        switch = set(self.scheduler.fit_lookup(len(req_ids), nodes, acc, cands, costs, budget, value))
         chosen, drafts = list(chosen), list(drafts)
         num_tokens = self.runner.input_batch.num_tokens_no_spec
         for i in lookups:
@@ -683,7 +699,8 @@ class EntMTPProposer(MedusaProposer):
             self.recorder.add(list(self.runner.input_batch.req_ids[:n]), hidden, sampled_token_ids)
         if self.prefix_cache is not None:  # Hydra++: the heads read the prefix layer's output
             hidden = prefix_layer_hidden(self.runner, hidden_states, sampled_token_ids, spec_decode_metadata)
-        verified_free = self._proposed_free  # the drafts this step verified were proposed last step
+        # the drafts this step verified were proposed last step
+        verified_free, verified_valued = self._proposed_free, self._valued
         drafts = self.propose(scheduler_output.num_spec_tokens_to_schedule, hidden, None, active=active,
                               bonus=bonus)
         costs = self.step_costs
@@ -697,8 +714,10 @@ class EntMTPProposer(MedusaProposer):
                               len(scheduler_output.scheduled_cached_reqs.req_ids))
         # a decode step: what it emitted against what it took, for the load rule's realised comparison; not where a
         # request held itself to a tree (verified this step or drafted for the next): those drafts are the
-        # request's choice, not the rule's (a benchmark's static trees had made the rule rest)
-        if costs is not None and STEP.decode_rows and verified_free and self._proposed_free:
+        # request's choice, not the rule's (a benchmark's static trees had made the rule rest); nor where the batch
+        # drained with requests ahead (StepCosts.token_value): those drafts were not for the batch's tokens per second
+        if (costs is not None and STEP.decode_rows and verified_free and self._proposed_free and not verified_valued
+                and not self._valued):
             costs.record_step(n, sum(len(t) for t in sampled_token_ids), time.perf_counter() - STEP.rows_clock,
                               drafted=STEP.decode_rows > n)
         if costs is not None and time.monotonic() >= self._next_costs_log and costs.compared():
@@ -717,10 +736,11 @@ class EntMTPProposer(MedusaProposer):
                 rows = costs.curve(n + total - heads, heads)
                 if rows is not None:
                     added = seconds + max(rows[-1] - rows[0], 0.0)
+                    unkept = self._heads_exploring or self._valued  # not the rule's choice by tokens per second
                     if heads:
-                        self._heads_step = (n, added, self._heads_exploring)
+                        self._heads_step = (n, added, unkept)
                     else:
-                        costs.record_heads_yield(n, 0, added, exploring=self._heads_exploring)
+                        costs.record_heads_yield(n, 0, added, exploring=unkept)
         return drafts
 
     def free_missing(self, live_req_ids) -> None:

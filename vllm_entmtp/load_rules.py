@@ -164,7 +164,8 @@ class LoadRules:
         """Row-bound step time with ``n = 0 .. max_nodes`` draft nodes over ``batch_size`` roots (seconds)."""
         return costs.curve(batch_size, max_nodes)
 
-    def drafting_pays(self, batch_size: int, costs: StepCosts, drafting: int | None = None) -> bool:
+    def drafting_pays(self, batch_size: int, costs: StepCosts, drafting: int | None = None,
+                      token_value: float | None = None) -> bool:
         """Whether any draft can raise this batch's tokens per second at the best acceptance the calibration
         knows: ``k`` requests (any ``k`` up to ``drafting``, the requests that may draft from the heads this step;
         None: all of them) drafting one tree of the ladder each at its best calibration bin's
@@ -181,7 +182,13 @@ class LoadRules:
         creative writing at 32 running (2026-12-05, AMX Xeon), the yield read 504 tokens/s against the plain
         step's 511 and stopped the heads while the steps that had verified drafts emitted 575 tokens/s against 481
         for the steps without. False: skip the heads for this step. True when the costs are not measured enough
-        to say."""
+        to say.
+
+        ``token_value``: the seconds of step time an accepted draft token is worth (:meth:`StepCosts.token_value
+        <vllm_entmtp.step_costs.StepCosts.token_value>`, while the batch drains); None: the plain step's time
+        per token at this batch size. With it, a draft pays where its accepted tokens' worth is more than the
+        time it adds, the heads' yield is held against ``1 / token_value`` and the realised comparison (tokens
+        per second of the whole batch) has no say."""
         if not self.measured or batch_size < 1:
             return True
         k_max = max((n for n in self._nodes), default=0)
@@ -189,13 +196,13 @@ class LoadRules:
         if curve is None:
             return True
         d = costs.draft_time(batch_size)
-        plain = batch_size / curve[0]
+        plain = batch_size / curve[0] if token_value is None else 1.0 / token_value
         realised = costs.heads_yield(batch_size)
         # the heads, as they have fared at this batch size, unless the steps that verified drafts here emitted
         # COMPARE_MARGIN more tokens per second than those that verified none (every cost measured, where the
         # yield prices the rows)
         if realised is not None and realised <= plain:
-            rates = costs.step_rates(batch_size)
+            rates = None if token_value is not None else costs.step_rates(batch_size)
             if rates is None or drafts_behind(rates):
                 self.stats.not_paying += 1
                 return False
@@ -207,12 +214,14 @@ class LoadRules:
                 continue
             a = max(self._acc[b])
             for k in range(1, most + 1):
-                if (batch_size + k * a) / (curve[k * n] + d) > plain:
+                if (batch_size + k * a) / (curve[k * n] + d) > plain if token_value is None else (
+                        k * a * token_value > curve[k * n] + d - curve[0]):
                     return True
         self.stats.not_paying += 1
         return False
 
-    def paying_ratio(self, batch_size: int, costs: StepCosts) -> float | None:
+    def paying_ratio(self, batch_size: int, costs: StepCosts, token_value: float | None = None,
+                     drafting: int | None = None) -> float | None:
         """The least acceptance record (:meth:`acceptance_ratio`) at which a request's heads could pay at
         ``batch_size`` requests: some tree of the ladder, at its best calibration bin's expected accepted tokens
         scaled by the record, raises the step's tokens per second for its rows (alone, or as the last rows of a
@@ -222,7 +231,9 @@ class LoadRules:
         (:meth:`request_may_pay` compares each request's record with it). The best bin is taken as a request's
         confidence is not known before the heads run, so no request is dropped that the choice after them
         (:meth:`_fit_measured`) would keep for the same record. None where the costs are not measured enough to
-        say, or under another load policy.
+        say, or under another load policy. ``token_value``: as for :meth:`drafting_pays`; ``drafting``: the
+        requests that may draft from the heads this step (None: all of them), who share the drafting time and whose
+        trees are the last rows of the step.
 
         At 16 running the heads' pass over the batch cost 1.9 ms of an 18-ms step (2026-12-03, in-process,
         bfloat16, GSM8K), about five draft rows' worth; run for requests whose drafts are mostly rejected (chat,
@@ -233,15 +244,16 @@ class LoadRules:
         curve = self._curve(costs, batch_size, batch_size * k_max)
         if curve is None:
             return None
-        share = costs.draft_time(batch_size) / batch_size
-        plain = batch_size / curve[0]
+        most = batch_size if drafting is None else max(min(drafting, batch_size), 1)
+        share = costs.draft_time(batch_size) / most
+        plain = batch_size / curve[0] if token_value is None else 1.0 / token_value
         need = math.inf
         for b, n in enumerate(self._nodes):
             best = max(self._acc[b]) if n else 0.0
             if n == 0 or best <= 0:
                 continue
             # its rows alone, or the last of every request's same tree (a drafting step's fixed cost is shared)
-            every = batch_size * n
+            every = most * n
             extra = min(curve[n] - curve[0], curve[every] - curve[every - n]) + share
             need = min(need, 0.0 if extra <= 0 else plain * extra / best)
         return need
@@ -285,7 +297,7 @@ class LoadRules:
 
     def _fit_measured(self, bins: list[int], cal_bins: list[int | None], costs: StepCosts,
                       scale: list[float] | None = None, sunk: float = 0.0, covered_levels: int = 0,
-                      step_up: bool = True) -> bool:
+                      step_up: bool = True, token_value: float | None = None) -> bool:
         """Step bins down in place while a step down gives up fewer expected tokens per second saved than the
         step's tokens per second, on measured step costs (:class:`~vllm_entmtp.step_costs.StepCosts`); then, if
         a step without drafts is faster per token still, no request drafts. False (nothing changed) when the
@@ -301,7 +313,11 @@ class LoadRules:
         confidence pass ran). A Hydra head runs once per depth for all the requests that reach it, so one
         request's second draft token can cost the whole step a level; besides each request's step down, the
         rule weighs stepping every request at the deepest depth down together (each to its first rung that is
-        shallower), which saves that level."""
+        shallower), which saves that level.
+
+        ``token_value``: the seconds of step time an accepted draft token is worth (:meth:`drafting_pays`); with
+        it, a request steps down while what it gives up is worth less than the time saved, and nobody drafts
+        where the drafts' accepted tokens are worth less than the time they add."""
         k, b_size = len(self.ladder), len(bins)
         nodes = [self._nodes[b] if b < k else 0 for b in bins]
         curve = self._curve(costs, b_size, sum(nodes))
@@ -359,7 +375,7 @@ class LoadRules:
                 d_t = now - time_of(n_after, d_after)
                 if d_t > 0 and (best is None or a_gone / d_t < best[0]):
                     best = (a_gone / d_t, moves)
-            if best is None or best[0] >= tokens / now:
+            if best is None or best[0] >= (tokens / now if token_value is None else 1.0 / token_value):
                 break
             for i, nb, n_new, a_new, d_new in best[1]:
                 total += n_new - nodes[i]
@@ -374,7 +390,9 @@ class LoadRules:
                 self.stats.cost_stepdowns += 1
                 if nb >= k or self.ladder[nb] is None:
                     self.stats.no_draft += 1
-        if total > 0 and b_size / time_of(0, 0) >= tokens / time_of(total, max(depths, default=0)):
+        drafted = time_of(total, max(depths, default=0))
+        if total > 0 and (b_size / time_of(0, 0) >= tokens / drafted if token_value is None
+                          else (tokens - b_size) * token_value <= drafted - time_of(0, 0)):
             for i, b in enumerate(bins):
                 if b < k and nodes[i] > 0:
                     bins[i] = k
@@ -460,7 +478,8 @@ class LoadRules:
         return e * self.acceptance_ratio(req_id)
 
     def fit_lookup(self, batch_size: int, nodes: list[int], acc: list[float], cands: dict[int, tuple[int, float]],
-                   costs: StepCosts | None, budget: int | None = None) -> list[int]:
+                   costs: StepCosts | None, budget: int | None = None,
+                   token_value: float | None = None) -> list[int]:
         """Which requests draft their prompt-lookup chain instead of the heads' draft.
 
         Args:
@@ -470,6 +489,8 @@ class LoadRules:
             costs: measured step costs (load policy ``"measured"``), or None.
             budget: the draft nodes the step may carry in all (:meth:`node_budget`: the cap of verified rows
                 less one root per request); None: no cap.
+            token_value: the seconds of step time an accepted draft token is worth (:meth:`drafting_pays`); None:
+                the step's tokens per second decides.
 
         A lookup draft replaces the heads' where it expects at least as many accepted tokens; requests switch in
         order of expected tokens gained per row added, while the step's draft nodes stay within ``budget`` and,
@@ -491,7 +512,8 @@ class LoadRules:
             t_new, n_new = tokens - acc[i] + e, total - nodes[i] + n
             if budget is not None and n_new > max(budget, total):
                 continue  # past the cap (a switch that adds no node always fits)
-            if curve is None or t_new / curve[n_new] >= tokens / curve[total]:
+            if curve is None or (t_new / curve[n_new] >= tokens / curve[total] if token_value is None
+                                 else (t_new - tokens) * token_value >= curve[n_new] - curve[total]):
                 out.append(i)
                 tokens, total = t_new, n_new
         return sorted(out)

@@ -271,7 +271,8 @@ class TreeScheduler(LoadRules):
 
     def choose(self, req_ids: Sequence[str], signals: Sequence[Signals],
                budget_nodes: int | None = None, costs: StepCosts | None = None, skip: Collection[int] = (),
-               sunk_seconds: float = 0.0, covered_levels: int = 0) -> list[tuple[str | None, Tree | None]]:
+               sunk_seconds: float = 0.0, covered_levels: int = 0,
+               token_value: float | None = None, idle: Collection[int] = ()) -> list[tuple[str | None, Tree | None]]:
         """Each request's ``(tree id, tree)`` for this step, or ``(None, None)``: no drafting.
 
         Args:
@@ -289,6 +290,12 @@ class TreeScheduler(LoadRules):
                 step pays the spent part whether it drafts or not.
             covered_levels: head levels that pass ran (its ``confidence_heads``; 0 without a pass): under
                 measured costs each further level of the deepest chosen tree is charged to the drafts.
+            idle: indices of requests that may draft nothing this step (a prefill chunk, no draft tokens allowed,
+                or ahead while the batch drains): no tree, as ``skip``, but they take no lookup draft's rows either,
+                so the step-up still applies.
+            token_value: under measured costs, the seconds of step time an accepted draft token is worth while the
+                batch drains (:meth:`~vllm_entmtp.step_costs.StepCosts.token_value`); None: the step's tokens
+                per second.
 
         The cost model (:attr:`cost_model`; module docstring) applies first, for the batch ``req_ids``; under
         the ``"measured"`` load policy, :meth:`_fit_measured` on ``costs`` instead (where ``costs`` has not
@@ -303,7 +310,7 @@ class TreeScheduler(LoadRules):
                                          or budget_nodes < 0):
             raise ValueError(f"budget_nodes must be an int >= 0 or None, got {budget_nodes!r}")
         bins = [self._decide(r, s) for r, s in zip(req_ids, signals)]
-        for i in skip:
+        for i in (*skip, *idle):
             bins[i] = len(self.ladder)  # past the ladder: no draft (the bin the signal holds is kept)
         if self.cost_model and bins:
             self._fit_cost(bins, [self.calibration_bin(self.signal_value(s)) for s in signals])
@@ -311,7 +318,7 @@ class TreeScheduler(LoadRules):
             cal = [self.calibration_bin(self.signal_value(s)) for s in signals]
             fitted = costs is not None and self._fit_measured(
                 bins, cal, costs, [self.acceptance_ratio(r) for r in req_ids], sunk_seconds, covered_levels,
-                step_up=not skip)
+                step_up=not skip, token_value=token_value)
             if not fitted and budget_nodes is None:
                 budget_nodes = node_budget(len(bins), DEFAULT_MAX_VERIFY_TOKENS)
         if budget_nodes is not None:

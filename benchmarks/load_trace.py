@@ -1,0 +1,178 @@
+"""The measured load rule's decisions, engine step by engine step, in a served or in-process entmtp engine.
+
+A step hook (``$VLLM_ENTMTP_STEP_HOOK=load_trace``, this folder on ``PYTHONPATH``;
+:func:`vllm_entmtp.stats.load_step_hook`) writes one JSON line per engine step to
+``$VLLM_ENTMTP_LOAD_TRACE-<pid>.jsonl`` (the variable is a path prefix; default ``load-trace``), and
+``python benchmarks/load_trace.py FILE...`` summarises such files by level and batch size::
+
+    VLLM_ENTMTP_STEP_HOOK=load_trace VLLM_ENTMTP_LOAD_TRACE=/tmp/trace PYTHONPATH=benchmarks \\
+        python benchmarks/compare.py --methods plain-bfloat16,entmtp ...
+    python benchmarks/load_trace.py /tmp/trace-*.jsonl
+
+A line holds the step's start (``t``, ``time.perf_counter`` seconds), its requests (``reqs``), scheduled tokens
+(``tokens``), requests new to the engine (``new``) and draft tokens verified (``spec``); and, from the drafter's call
+that ended the step before (it proposed the drafts this step verifies), its batch size (``n``), whether the batch
+drained (``draining``, :class:`~vllm_entmtp.step_costs.Refills`), the load rule's answers in that call, in call
+order (``probe``: ``StepCosts.needs_probe``, ``reference``: ``needs_reference``, ``loses``: ``drafting_loses``,
+``explore``: ``needs_exploration``, ``pays``: ``TreeScheduler.drafting_pays``), the requests that drafted and their
+draft tokens (``drafted``, ``draft_tokens``), whether the heads ran, whether the drafts explored and whether they
+were weighed by ``StepCosts.token_value`` (``valued``). Made to find where a level's time went (session 40: the
+drain of a level, ``benchmarks/results/drain-epyc-2026-12-06/``); it adds a few hundred bytes of writing per step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import defaultdict
+
+TRACE_ENV = "VLLM_ENTMTP_LOAD_TRACE"
+#: Steps further apart than this (seconds) start a new level: a benchmark's levels are separated by its client's
+#: set-up and warm-up requests.
+GAP_S = 2.0
+#: StepCosts / TreeScheduler methods whose answers are recorded, and the names they are recorded under.
+COSTS_CALLS = {"needs_probe": "probe", "needs_reference": "reference", "drafting_loses": "loses",
+               "needs_exploration": "explore"}
+SCHEDULER_CALLS = {"drafting_pays": "pays"}
+
+
+class LoadTrace:
+    """The step hook: wraps the drafter's decisions once (on its first step), writes a line per step."""
+
+    def __init__(self, path: str | None = None):
+        prefix = path or os.environ.get(TRACE_ENV) or "load-trace"
+        self.path = f"{prefix}-{os.getpid()}.jsonl"
+        self._out = open(self.path, "a", buffering=1)  # noqa: SIM115 - open for the worker's life
+        self._drafter = None
+        self._call: dict = {}  # what the drafter's last call decided, written with the next step
+
+    def _wrap(self, obj, method: str, name: str) -> None:
+        orig = getattr(obj, method)
+        call = self._call
+
+        def wrapped(*args, **kwargs):
+            out = orig(*args, **kwargs)
+            call.setdefault(name, []).append(bool(out))
+            return out
+
+        setattr(obj, method, wrapped)
+
+    def attach(self, drafter) -> None:
+        """Wrap ``drafter``'s load-rule calls and its ``_propose_scheduled`` (instance attributes: nothing else
+        changes)."""
+        self._drafter = drafter
+        if getattr(drafter, "step_costs", None) is not None:
+            for method, name in COSTS_CALLS.items():
+                self._wrap(drafter.step_costs, method, name)
+        if getattr(drafter, "scheduler", None) is not None:
+            for method, name in SCHEDULER_CALLS.items():
+                self._wrap(drafter.scheduler, method, name)
+        orig, call = drafter._propose_scheduled, self._call
+
+        def propose(hidden, bonus, req_ids, budgets, active):
+            chosen, drafts = orig(hidden, bonus, req_ids, budgets, active)
+            refills = getattr(drafter, "refills", None)
+            call.update(n=len(req_ids), draining=bool(refills is not None and refills.draining),
+                        drafted=sum(1 for d in drafts if d), draft_tokens=sum(len(d) for d in drafts),
+                        heads_ran=bool(drafter.heads_ran), explored=bool(drafter._heads_exploring),
+                        valued=bool(getattr(drafter, "_valued", False)))
+            return chosen, drafts
+
+        drafter._propose_scheduled = propose
+
+    def __call__(self, runner, scheduler_output, t0: float) -> None:
+        if runner.drafter is not self._drafter:
+            self.attach(runner.drafter)
+        scheduled = scheduler_output.num_scheduled_tokens
+        line = dict(self._call, t=t0, reqs=len(scheduled), tokens=sum(scheduled.values()),
+                    new=len(scheduler_output.scheduled_new_reqs),
+                    spec=sum(len(v) for v in scheduler_output.scheduled_spec_decode_tokens.values()))
+        self._call.clear()
+        self._out.write(json.dumps(line) + "\n")
+
+
+def make_hook() -> LoadTrace:
+    """The hook the plugin builds once per worker (:func:`vllm_entmtp.stats.load_step_hook`)."""
+    return LoadTrace()
+
+
+def read(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def levels(rows: list[dict], gap: float = GAP_S) -> list[list[dict]]:
+    """The steps in runs with less than ``gap`` seconds between one step's start and the next."""
+    out: list[list[dict]] = []
+    for r in rows:
+        if not out or r["t"] - out[-1][-1]["t"] > gap:
+            out.append([])
+        out[-1].append(r)
+    return out
+
+
+def summarize(level: list[dict]) -> dict:
+    """One level: its seconds (first step's start to last's), and per batch size of the steps (``by_batch``) and
+    for the steps the batch drained in (``draining``): steps, seconds, steps with prompt tokens, decode steps that
+    verified drafts and their seconds, decode steps that verified none and their seconds, and the load rule's True
+    answers of the drafter's call at the end of each step. A step's seconds run to the next step's start (the last
+    step of a level has none and is left out)."""
+    def blank():
+        return defaultdict(float)
+
+    by_batch: dict[int, dict] = defaultdict(blank)
+    drain = blank()
+    for a, b in zip(level, level[1:]):
+        dt = b["t"] - a["t"]
+        for c in (by_batch[a["reqs"]], *((drain,) if a.get("draining") else ())):
+            c["steps"] += 1
+            c["seconds"] += dt
+            if a["new"]:
+                c["prefill_steps"] += 1
+                continue
+            kind = "drafted" if a["spec"] else "plain"
+            c[f"{kind}_steps"] += 1
+            c[f"{kind}_seconds"] += dt
+            for name in (*COSTS_CALLS.values(), *SCHEDULER_CALLS.values()):
+                c[name] += sum(b.get(name, ()))
+    return {"steps": len(level), "seconds": level[-1]["t"] - level[0]["t"],
+            "by_batch": {n: dict(c) for n, c in sorted(by_batch.items(), reverse=True)}, "draining": dict(drain)}
+
+
+def _row(label, c: dict) -> str:
+    def ms(kind: str) -> float:  # mean milliseconds of a step of that kind
+        steps = c.get(f"{kind}_steps", 0)
+        return 1e3 * c.get(f"{kind}_seconds", 0) / steps if steps else 0.0
+
+    cells = [label, f"{c.get('steps', 0):.0f}", f"{c.get('seconds', 0):.2f}", f"{c.get('prefill_steps', 0):.0f}",
+             f"{c.get('drafted_steps', 0):.0f}", f"{ms('drafted'):.1f}", f"{c.get('plain_steps', 0):.0f}",
+             f"{ms('plain'):.1f}", *(f"{c.get(k, 0):.0f}" for k in ("loses", "pays", "probe", "explore"))]
+    return "| " + " | ".join(str(x) for x in cells) + " |"
+
+
+def report(paths: list[str], min_steps: int = 20) -> str:
+    """Markdown: per file and level of at least ``min_steps`` steps, a row per batch size and one for the drain."""
+    head = ("| requests | steps | s | prompt steps | drafted | ms | plain | ms | loses | pays | probes | "
+            "explores |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    out = []
+    for path in paths:
+        for i, level in enumerate(lv for lv in levels(read(path)) if len(lv) >= min_steps):
+            s = summarize(level)
+            out += [f"### {os.path.basename(path)}, level {i}: {s['steps']} steps, {s['seconds']:.1f} s", "", head]
+            out += [_row(n, c) for n, c in s["by_batch"].items()]
+            if s["draining"]:
+                out.append(_row("draining", s["draining"]))
+            out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("paths", nargs="+", help="trace files written by the hook")
+    ap.add_argument("--min-steps", type=int, default=20, help="leave out levels of fewer steps (warm-ups)")
+    args = ap.parse_args(argv)
+    print(report(args.paths, args.min_steps))
+
+
+if __name__ == "__main__":
+    main()

@@ -113,10 +113,11 @@ def levels(rows: list[dict], gap: float = GAP_S) -> list[list[dict]]:
 
 def summarize(level: list[dict]) -> dict:
     """One level: its seconds (first step's start to last's), and per batch size of the steps (``by_batch``) and
-    for the steps the batch drained in (``draining``): steps, seconds, steps with prompt tokens, decode steps that
-    verified drafts and their seconds, decode steps that verified none and their seconds, and the load rule's True
-    answers of the drafter's call at the end of each step. A step's seconds run to the next step's start (the last
-    step of a level has none and is left out)."""
+    for the steps the batch drained in (``draining``: by the drafter's call before the step, which proposed the
+    drafts the step verifies): steps, seconds, steps with prompt tokens, decode steps that verified drafts and
+    their seconds, decode steps that verified none and their seconds, and the load rule's True answers of the
+    drafter's call at the end of each step. A step's seconds run to the next step's start (the last step of a
+    level has none and is left out). A warm-up request less than :data:`GAP_S` before a level counts in it."""
     def blank():
         return defaultdict(float)
 

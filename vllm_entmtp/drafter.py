@@ -470,7 +470,8 @@ class EntMTPProposer(MedusaProposer):
         the most tokens left may draft (:func:`~vllm_entmtp.step_costs.last_to_finish`), and where they are
         clearly behind the rest their drafts are weighed by what a token of theirs is worth at the batch's end
         (:meth:`~vllm_entmtp.step_costs.StepCosts.token_value`): such a step neither rests on the realised
-        comparison nor asks for a reference step for it, and prompt lookup searches whatever its rests say."""
+        comparison nor asks for a reference step for it, nor enters it (a probe among such steps included), and
+        prompt lookup searches whatever its rests say; where no draft pays even so, it counts towards exploring."""
         top1 = state = None
         n = len(req_ids)
         self._heads_nodes = None  # set below once this step's drafts are known (a fault on the way leaves None)
@@ -640,8 +641,8 @@ class EntMTPProposer(MedusaProposer):
                 if prev[3] is not None:  # the measured load rule learns how this request's drafts fare
                     self.scheduler.observe_acceptance(rid, prev[3], acc)
         if self._heads_step is not None and self.step_costs is not None and accepted is not None:
-            batch_size, added, exploring = self._heads_step
-            self.step_costs.record_heads_yield(batch_size, heads_accepted, added, exploring=exploring)
+            batch_size, added, unkept = self._heads_step
+            self.step_costs.record_heads_yield(batch_size, heads_accepted, added, exploring=unkept)
         self._heads_step = None
 
     def _lookup_drafts(self, req_ids, budgets, active, forced) -> dict[int, list[int]]:

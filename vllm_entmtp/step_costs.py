@@ -233,7 +233,7 @@ def last_to_finish(tokens_left: list[int | None], slack: int) -> list[bool]:
     GSM8K, 32 requests at 32 running), the requests of one wave (their prompts run over a few steps, their drafts
     accepted unevenly) were a few tokens apart, and from one step to the next 1 to 30 of 30-31 requests counted as
     the last; valued as such (:meth:`StepCosts.token_value`) they drafted in every step of the drain and the level
-    ran 0.94x plain decoding, where without that worth it had run 0.96-0.98x."""
+    ran 0.94x plain decoding in one repeat (1.02x in the other), where without that worth it had run 0.96-0.98x."""
     known = [t for t in tokens_left if t is not None]
     if not known:
         return [True] * len(tokens_left)
@@ -352,9 +352,10 @@ class StepCosts:
     def record_heads_yield(self, batch_size: int, accepted: int, seconds: float, exploring: bool = False) -> None:
         """A step of ``batch_size`` requests in which the heads ran: ``accepted`` of their draft tokens were accepted
         (bonus tokens excluded; 0 where the schedule then drafted nothing from them), at ``seconds`` of step time
-        the heads added (drafting, and the rows of their draft tokens). ``exploring``: the step explored
-        (:meth:`needs_exploration`): its drafts, a tree for every request under the exploring budget, measure
-        costs and are not the rule's choice, so their yield is not kept (served, creative writing at 32 running:
+        the heads added (drafting, and the rows of their draft tokens). ``exploring``: the step's drafts were not
+        the rule's choice by the batch's tokens per second (it explored, :meth:`needs_exploration`, or weighed its
+        drafts by :meth:`token_value` while the batch drained): their yield is not kept. An exploring step's drafts,
+        a tree for every request under the exploring budget, measure costs (served, creative writing at 32 running:
         kept, the exploring steps of a batch size at which the heads' yield had stopped them pulled it from 504 to
         226 tokens/s while the steps that had verified drafts emitted 575 tokens/s against 481 without)."""
         if batch_size >= 1 and seconds > 0 and not exploring:

@@ -88,12 +88,13 @@ def write_public_checkpoint(path, config: dict, state: dict, stem: str, fmt: str
     return path
 
 
-def lookup_drafter(costs, outputs: list[int], draft_sources: str = "lookup", max_tokens: int = 256):
+def lookup_drafter(costs, outputs: list[int], draft_sources: str = "lookup", max_tokens: int = 256,
+                   accepted: int = 1):
     """An ``EntMTPProposer`` for ``_propose_scheduled`` without a model (built without its ``__init__``): real
     scheduler (the default tree set, measured load rule), entropy tracker, prompt lookup (chains of 4), lookup rests,
     ``costs`` (a ``StepCosts``) and ``Refills``; one request per entry of ``outputs`` (``r0``, ``r1``, ...: that many
     output tokens so far, of ``max_tokens``), each repeating ``11 .. 18`` so that prompt lookup finds
-    ``[11, 12, 13, 14]``, with a record of lookup drafts of 4 tokens of which one was accepted."""
+    ``[11, 12, 13, 14]``, with a record of four lookup drafts of 4 tokens of which ``accepted`` were accepted."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -122,5 +123,5 @@ def lookup_drafter(costs, outputs: list[int], draft_sources: str = "lookup", max
     d._drafted_at, d._heads_step = {}, None
     for r in rids:
         for _ in range(4):
-            d.lookup.observe(r, 4, 1)
+            d.lookup.observe(r, 4, accepted)
     return d, rids

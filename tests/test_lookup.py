@@ -224,18 +224,11 @@ def test_an_exploring_step_drafts_the_lookup_drafts_that_unmeasured_costs_declin
     run), and in steps where drafting rests on a realised loss, one step in ``EXPLORE_UNMEASURED_EVERY`` drafts
     as many lookup chains as the exploring budget holds, and the rest draft nothing; a lookup draft drafted is
     not scored again as one left undrafted."""
-    from types import SimpleNamespace
+    from conftest import lookup_drafter
 
-    from vllm import SamplingParams
-
-    from vllm_entmtp.drafter import EntMTPProposer
-    from vllm_entmtp.entropy import EntropyTracker
-    from vllm_entmtp.lookup import LookupRests
-    from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, EXPLORE_UNMEASURED_EVERY, Refills
+    from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, EXPLORE_UNMEASURED_EVERY
 
     n, steps = 16, 2 * EXPLORE_UNMEASURED_EVERY
-    rids = [f"r{i}" for i in range(n)]
-    tokens = np.tile(np.array([11, 12, 13, 14, 15, 16, 17, 18], dtype=np.int32), 8)  # every request repeats itself
 
     def drafter(resting: bool):
         costs = StepCosts()
@@ -247,25 +240,13 @@ def test_an_exploring_step_drafts_the_lookup_drafts_that_unmeasured_costs_declin
                 costs.record_step(n, 2 * n, 0.250, True)
                 costs.record_step(n, n, 0.100, False)
             assert costs.drafting_loses(n)
-        d = object.__new__(EntMTPProposer)
-        d.spec_config = SimpleNamespace(entmtp=SimpleNamespace(draft_sources="hybrid"))
-        d.scheduler = TreeScheduler(load_tree_set("default"), "confidence", load_policy="measured")
-        d.tracker, d.lookup, d.lookup_rests = EntropyTracker(), PromptLookup(2, 4, max_tokens=4), LookupRests()
-        d.step_costs, d.refills = costs, Refills()
-        d.runner = SimpleNamespace(
-            input_batch=SimpleNamespace(token_ids_cpu=np.stack([tokens] * n), num_tokens_no_spec=[len(tokens)] * n),
-            requests={r: SimpleNamespace(sampling_params=SamplingParams(temperature=0.0, max_tokens=256),
-                                         output_token_ids=[]) for r in rids})
-        d._req_options = {r: (None, None) for r in rids}
-        d._drafted_at, d._heads_step = {}, None
-        for r in rids:  # a record of accepted lookup drafts: no heads' draft could beat them
-            for _ in range(4):
-                d.lookup.observe(r, 4, 4)
+        # every request repeats itself; a record of accepted lookup drafts: no heads' draft could beat them
+        d, rids = lookup_drafter(costs, [0] * n, draft_sources="hybrid", accepted=4)
         assert all(d.lookup.expected(r, 4) >= d.scheduler.best_expected(r) for r in rids)
-        return d, costs
+        return d, costs, rids
 
     for resting in (False, True):  # a step of lookup drafts alone, or one where drafting rests on a loss
-        d, costs = drafter(resting)
+        d, costs, rids = drafter(resting)
         drafted = []
         for _ in range(steps):
             chosen, drafts = d._propose_scheduled(None, None, rids, [4] * n, [True] * n)

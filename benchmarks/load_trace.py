@@ -15,9 +15,12 @@ that ended the step before (it proposed the drafts this step verifies), its batc
 drained (``draining``, :class:`~vllm_entmtp.step_costs.Refills`), the load rule's answers in that call, in call
 order (``probe``: ``StepCosts.needs_probe``, ``reference``: ``needs_reference``, ``loses``: ``drafting_loses``,
 ``explore``: ``needs_exploration``, ``pays``: ``TreeScheduler.drafting_pays``), the requests that drafted and their
-draft tokens (``drafted``, ``draft_tokens``), whether the heads ran, whether the drafts explored and whether they
-were weighed by ``StepCosts.token_value`` (``valued``). Made to find where a level's time went (session 40: the
-drain of a level, ``benchmarks/results/drain-epyc-2026-12-06/``); it adds a few hundred bytes of writing per step.
+draft tokens (``drafted``, ``draft_tokens``) and those from prompt lookup (``lookup_tokens``), whether the heads
+ran, whether the drafts explored and whether they were weighed by ``StepCosts.token_value`` (``valued``); and the
+draft tokens the step before accepted, its bonus tokens not counted (``accepted``, from the drafter's
+``draft_step``). The report gives, per batch size, the mean draft tokens, lookup draft tokens and accepted draft
+tokens of the decode steps that verified drafts. Made to find where a level's time went (session 40: the drain of
+a level, ``benchmarks/results/drain-epyc-2026-12-06/``); it adds a few hundred bytes of writing per step.
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ import argparse
 import json
 import os
 from collections import defaultdict
+
+from vllm_entmtp.drafter import LOOKUP_ID
 
 TRACE_ENV = "VLLM_ENTMTP_LOAD_TRACE"
 #: Steps further apart than this (seconds) start a new level: a benchmark's levels are separated by its client's
@@ -74,11 +79,20 @@ class LoadTrace:
             refills = getattr(drafter, "refills", None)
             call.update(n=len(req_ids), draining=bool(refills is not None and refills.draining),
                         drafted=sum(1 for d in drafts if d), draft_tokens=sum(len(d) for d in drafts),
+                        lookup_tokens=sum(len(d) for (t, _), d in zip(chosen, drafts) if t == LOOKUP_ID),
                         heads_ran=bool(drafter.heads_ran), explored=bool(drafter._heads_exploring),
                         valued=bool(getattr(drafter, "_valued", False)))
             return chosen, drafts
 
         drafter._propose_scheduled = propose
+        orig_step = drafter.draft_step
+
+        def draft_step(scheduler_output, sampled_token_ids, *args, **kwargs):
+            # the draft tokens the step now ending accepted (its bonus tokens not counted)
+            call["accepted"] = sum(max(len(t) - 1, 0) for t in sampled_token_ids)
+            return orig_step(scheduler_output, sampled_token_ids, *args, **kwargs)
+
+        drafter.draft_step = draft_step
 
     def __call__(self, runner, scheduler_output, t0: float) -> None:
         if runner.drafter is not self._drafter:
@@ -134,6 +148,10 @@ def summarize(level: list[dict]) -> dict:
             kind = "drafted" if a["spec"] else "plain"
             c[f"{kind}_steps"] += 1
             c[f"{kind}_seconds"] += dt
+            if a["spec"]:  # the draft tokens this step verified, those of prompt lookup, and those it accepted
+                c["draft_tokens"] += a["spec"]
+                c["lookup_tokens"] += a.get("lookup_tokens", 0)
+                c["accepted"] += b.get("accepted", 0)
             for name in (*COSTS_CALLS.values(), *SCHEDULER_CALLS.values()):
                 c[name] += sum(b.get(name, ()))
     return {"steps": len(level), "seconds": level[-1]["t"] - level[0]["t"],
@@ -145,16 +163,23 @@ def _row(label, c: dict) -> str:
         steps = c.get(f"{kind}_steps", 0)
         return 1e3 * c.get(f"{kind}_seconds", 0) / steps if steps else 0.0
 
+    def per_drafted(key: str) -> float:
+        steps = c.get("drafted_steps", 0)
+        return c.get(key, 0) / steps if steps else 0.0
+
     cells = [label, f"{c.get('steps', 0):.0f}", f"{c.get('seconds', 0):.2f}", f"{c.get('prefill_steps', 0):.0f}",
-             f"{c.get('drafted_steps', 0):.0f}", f"{ms('drafted'):.1f}", f"{c.get('plain_steps', 0):.0f}",
+             f"{c.get('drafted_steps', 0):.0f}", f"{ms('drafted'):.1f}",
+             *(f"{per_drafted(k):.1f}" for k in ("draft_tokens", "lookup_tokens", "accepted")),
+             f"{c.get('plain_steps', 0):.0f}",
              f"{ms('plain'):.1f}", *(f"{c.get(k, 0):.0f}" for k in ("loses", "pays", "probe", "explore"))]
     return "| " + " | ".join(str(x) for x in cells) + " |"
 
 
 def report(paths: list[str], min_steps: int = 20) -> str:
     """Markdown: per file and level of at least ``min_steps`` steps, a row per batch size and one for the drain."""
-    head = ("| requests | steps | s | prompt steps | drafted | ms | plain | ms | loses | pays | probes | "
-            "explores |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    head = ("| requests | steps | s | prompt steps | drafted | ms | draft tokens | of lookup | accepted | plain | ms | "
+            "loses | pays | probes | explores |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            "---:|")
     out = []
     for path in paths:
         for i, level in enumerate(lv for lv in levels(read(path)) if len(lv) >= min_steps):

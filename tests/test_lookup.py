@@ -1,4 +1,6 @@
 """Prompt lookup (vllm_entmtp.lookup) and how the scheduler weighs it against the heads (fit_lookup)."""
+import json
+
 import numpy as np
 import pytest
 
@@ -345,6 +347,7 @@ def test_the_load_trace_records_the_rules_answers_and_the_drafts_of_each_step(tm
     first = rows[1]  # the drafter's call that ended step 0
     assert first["n"] == n and first["draining"] and first["valued"] and first["drafted"] == 1
     assert first["draft_tokens"] == 4 and first["probe"] == [False] and "loses" not in first  # valued: no rest
+    assert first["lookup_tokens"] == 4  # r0's draft is its lookup chain
     assert "n" not in rows[0] and "n" not in rows[3]  # no call before them
     levels = lt.levels(rows)
     assert [len(lv) for lv in levels] == [3, 2]
@@ -354,3 +357,24 @@ def test_the_load_trace_records_the_rules_answers_and_the_drafts_of_each_step(tm
     # step 1 drained (its drafts were proposed in a draining batch) and verified a draft; step 0 is not known to
     assert s["draining"]["steps"] == 1 and s["draining"]["drafted_steps"] == 1 and s["draining"]["probe"] == 0
     assert "level 0: 3 steps" in lt.report([hook.path], min_steps=1)
+
+
+def test_the_load_trace_report_gives_a_drafted_step_the_tokens_the_next_line_says_it_accepted(tmp_path):
+    """benchmarks/load_trace.py: a line's ``accepted`` is what the step before it accepted (the drafter's
+    ``draft_step`` ends that step), so the summary credits it to that step, with the step's own draft tokens."""
+    from conftest import load_benchmark
+
+    lt = load_benchmark("load_trace")
+    lines = [dict(t=0.0, reqs=4, tokens=4, new=0, spec=0),
+             dict(t=0.05, reqs=4, tokens=9, new=0, spec=5, n=4, drafted=2, draft_tokens=5, lookup_tokens=4,
+                  accepted=0),
+             dict(t=0.12, reqs=4, tokens=4, new=0, spec=0, n=4, drafted=0, draft_tokens=0, lookup_tokens=0,
+                  accepted=3),
+             dict(t=0.16, reqs=4, tokens=4, new=0, spec=0, accepted=0)]
+    path = tmp_path / "trace-1.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    c = lt.summarize(lt.read(str(path)))["by_batch"][4]
+    assert c["drafted_steps"] == 1 and c["plain_steps"] == 2
+    assert c["draft_tokens"] == 5 and c["lookup_tokens"] == 4 and c["accepted"] == 3
+    assert c["drafted_seconds"] == pytest.approx(0.07)
+    assert "| 4 | 3 | 0.16 | 0 | 1 | 70.0 | 5.0 | 4.0 | 3.0 | 2 | 45.0 |" in lt.report([str(path)], min_steps=1)

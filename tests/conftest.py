@@ -1,6 +1,7 @@
 """Shared fixtures. Model hubs are never contacted: the default model is prepared offline."""
 from __future__ import annotations
 
+import math
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -94,7 +95,8 @@ def lookup_drafter(costs, outputs: list[int], draft_sources: str = "lookup", max
     scheduler (the default tree set, measured load rule), entropy tracker, prompt lookup (chains of 4), lookup rests,
     ``costs`` (a ``StepCosts``) and ``Refills``; one request per entry of ``outputs`` (``r0``, ``r1``, ...: that many
     output tokens so far, of ``max_tokens``), each repeating ``11 .. 18`` so that prompt lookup finds
-    ``[11, 12, 13, 14]``, with a record of four lookup drafts of 4 tokens of which ``accepted`` were accepted."""
+    ``[11, 12, 13, 14]``, with a record of four lookup drafts of 4 tokens of which ``accepted`` were accepted. It
+    also runs ``draft_step`` (the runner's step, ``vllm_entmtp.step.STEP``, set by the caller)."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -104,6 +106,7 @@ def lookup_drafter(costs, outputs: list[int], draft_sources: str = "lookup", max
     from vllm_entmtp.entropy import EntropyTracker
     from vllm_entmtp.lookup import LookupRests, PromptLookup
     from vllm_entmtp.scheduler import TreeScheduler
+    from vllm_entmtp.stats import TreeStats
     from vllm_entmtp.step_costs import Refills
     from vllm_entmtp.trees import load_tree_set
 
@@ -121,6 +124,11 @@ def lookup_drafter(costs, outputs: list[int], draft_sources: str = "lookup", max
                                      output_token_ids=[0] * out) for r, out in zip(rids, outputs)})
     d._req_options = {r: (None, None) for r in rids}
     d._drafted_at, d._heads_step = {}, None
+    # what draft_step reads besides (the model's hidden states aside: lookup drafts need none)
+    d.runner.input_batch.req_ids = rids
+    d.recorder = d.prefix_cache = d.publisher = None
+    d.pending, d.tree_stats, d._departed, d._next_costs_log = {}, TreeStats(), 0, math.inf
+    d._proposed_free, d._valued, d.heads_ran = True, False, False
     for r in rids:
         for _ in range(4):
             d.lookup.observe(r, 4, accepted)

@@ -3,6 +3,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from vllm_entmtp.lookup import PromptLookup, expected_chain_accepted
 from vllm_entmtp.scheduler import TreeScheduler
@@ -315,6 +316,45 @@ def test_while_the_batch_drains_the_last_request_drafts_what_its_tokens_are_wort
     d, _, rids = _draining_drafter(n, draining=True, resting=False, others_out=100)
     _, drafts = d._propose_scheduled(None, None, rids, [4] * n, [True] * n)
     assert drafts == [[]] * n and not d._valued
+
+
+def _draft_step(d, rids, sampled: list[list[int]], spec: int) -> list[list[int]]:
+    """The drafter's ``draft_step`` after a decode step of ``len(rids)`` requests that verified ``spec`` draft tokens
+    in 50 ms and sampled ``sampled`` (the runner's step state as ``patches/runner.py`` leaves it)."""
+    import time
+    from types import SimpleNamespace
+
+    from vllm_entmtp.step import STEP
+
+    out = SimpleNamespace(num_spec_tokens_to_schedule=4, scheduled_new_reqs=[], finished_req_ids=set(),
+                          scheduled_cached_reqs=SimpleNamespace(req_ids=rids))
+    saved = STEP.decode_rows, STEP.rows_clock, STEP.signals
+    STEP.decode_rows, STEP.rows_clock, STEP.signals = len(rids) + spec, time.perf_counter() - 0.05, (None, None)
+    try:
+        return d.draft_step(out, sampled, None, torch.zeros(len(rids), 8), None)
+    finally:
+        STEP.decode_rows, STEP.rows_clock, STEP.signals = saved
+
+
+def test_a_draining_batchs_valued_steps_stay_out_of_the_realised_comparison():
+    """The realised comparison (``StepCosts.record_step``: tokens per second of the steps that verified drafts and of
+    those that verified none, at a batch size) takes the steps whose drafts the rule chose by the batch's tokens per
+    second. While the batch drains and the last request's drafts are weighed by what its tokens are worth at the
+    end (``StepCosts.token_value``), neither the step that proposes them nor the step that verifies them enters it
+    (here the last request has caught up by then, so that step's own drafts are the batch's again, and the step
+    after it enters); where the batch does not drain, every step does."""
+    n = 16
+    for draining in (True, False):
+        d, costs, rids = _draining_drafter(n, draining=draining, resting=False)
+        drafts = _draft_step(d, rids, [[5]] * n, spec=0)
+        assert (drafts[0] == [11, 12, 13, 14]) == draining and d._valued == draining
+        d.runner.requests["r0"].output_token_ids = [0] * 200  # now as far as the others
+        drafts = _draft_step(d, rids, [[11, 12]] + [[5]] * (n - 1) if draining else [[5]] * n,
+                             spec=4 if draining else 0)
+        assert not d._valued
+        _draft_step(d, rids, [[5]] * n, spec=sum(len(x) for x in drafts))
+        recorded = sum(costs._seen.get((f"step-{drafted}", n), 0) for drafted in (True, False))  # first included
+        assert recorded == (1 if draining else 3), draining
 
 
 def test_the_load_trace_records_the_rules_answers_and_the_drafts_of_each_step(tmp_path):

@@ -109,13 +109,24 @@ def _costs(per_row_ms: float, rows=(1, 2, 4, 8, 16, 32, 64, 128)) -> StepCosts:
     return c
 
 
+def _chain(n: int, e: float) -> list[float]:
+    """Expected accepted tokens of a lookup chain's first 1 .. n tokens, ``e`` for the whole chain (linear: the
+    rules without measured costs read only the whole chain's)."""
+    return [e * m / n for m in range(1, n + 1)]
+
+
+def _p_chain(p: float, n: int = 4) -> list[float]:
+    """As ``PromptLookup.expected`` gives them: each token accepted with probability ``p`` until a rejection."""
+    return [expected_chain_accepted(p, m) for m in range(1, n + 1)]
+
+
 def test_lookup_wins_where_it_expects_more_than_the_heads_draft():
     s = TreeScheduler(load_tree_set("default"), "confidence", load_policy="cap")
     # request 0: heads expect 1.2, lookup 2.0 -> lookup; request 1: heads 1.5, lookup 0.4 -> heads;
     # request 2: no heads draft, lookup 0.3 -> lookup (anything beats nothing without measured costs)
-    got = s.fit_lookup(3, nodes=[4, 4, 0], acc=[1.2, 1.5, 0.0], cands={0: (4, 2.0), 1: (4, 0.4), 2: (2, 0.3)},
-                       costs=None)
-    assert got == [0, 2]
+    got = s.fit_lookup(3, nodes=[4, 4, 0], acc=[1.2, 1.5, 0.0],
+                       cands={0: _chain(4, 2.0), 1: _chain(4, 0.4), 2: _chain(2, 0.3)}, costs=None)
+    assert got == {0: 4, 2: 2}  # whole chains
 
 
 def test_lookup_drafts_stay_within_the_cap_of_verified_rows():
@@ -123,23 +134,41 @@ def test_lookup_drafts_stay_within_the_cap_of_verified_rows():
     of tokens gained per row added while the step's nodes fit; with no room, none that adds a node; a switch that
     adds none always fits."""
     s = TreeScheduler(load_tree_set("default"), "confidence", load_policy="cap")
-    cands = {0: (4, 2.0), 1: (4, 3.0), 2: (2, 1.5)}  # gains per row added: 0.5, 0.83, 1.0
+    cands = {0: _chain(4, 2.0), 1: _chain(4, 3.0), 2: _chain(2, 1.5)}  # gains per row added: 0.5, 0.83, 1.0
     nodes, acc = [1, 1, 1], [0.5, 0.5, 0.5]
-    assert s.fit_lookup(3, nodes, acc, cands, None) == [0, 1, 2]  # no cap
-    assert s.fit_lookup(3, nodes, acc, cands, None, budget=5) == [2]  # 3 -> 4 nodes; request 1 would make 7
-    assert s.fit_lookup(3, nodes, acc, cands, None, budget=7) == [1, 2]  # 4, then 7; request 0 would make 10
-    assert s.fit_lookup(3, [0, 0, 0], [0.0] * 3, cands, None, budget=0) == []
-    assert s.fit_lookup(2, [4, 0], [1.0, 0.0], {0: (4, 2.0)}, None, budget=0) == [0]  # 4 nodes for 4
+    assert list(s.fit_lookup(3, nodes, acc, cands, None)) == [0, 1, 2]  # no cap
+    assert list(s.fit_lookup(3, nodes, acc, cands, None, budget=5)) == [2]  # 3 -> 4 nodes; request 1 would make 7
+    assert list(s.fit_lookup(3, nodes, acc, cands, None, budget=7)) == [1, 2]  # 4, then 7; request 0: 10
+    assert s.fit_lookup(3, [0, 0, 0], [0.0] * 3, cands, None, budget=0) == {}
+    assert s.fit_lookup(2, [4, 0], [1.0, 0.0], {0: _chain(4, 2.0)}, None, budget=0) == {0: 4}  # 4 nodes for 4
 
 
 def test_under_measured_costs_a_lookup_draft_must_pay_for_its_rows():
     s = _measured_scheduler()
-    cands = {i: (4, 0.3) for i in range(16)}  # weak lookup drafts, no heads drafts
-    cheap, dear = _costs(0.01), _costs(3.0)  # rows almost free / a row costs as much as a request
-    assert s.fit_lookup(16, [0] * 16, [0.0] * 16, cands, cheap) == list(range(16))
-    assert s.fit_lookup(16, [0] * 16, [0.0] * 16, cands, dear) == []
-    strong = {i: (4, 3.5) for i in range(16)}
-    assert len(s.fit_lookup(16, [0] * 16, [0.0] * 16, strong, dear)) > 0  # strong ones still pay
+    cands = {i: _p_chain(0.24) for i in range(16)}  # weak lookup drafts (0.3 tokens of 4), no heads drafts
+    cheap, dear = _costs(0.01), _costs(3.0)  # rows almost free / a row costs 0.7 of a plain token
+    assert list(s.fit_lookup(16, [0] * 16, [0.0] * 16, cands, cheap)) == list(range(16))
+    assert s.fit_lookup(16, [0] * 16, [0.0] * 16, cands, dear) == {}
+    strong = {i: _p_chain(0.93) for i in range(16)}  # strong ones still pay, their first three tokens at least
+    got = s.fit_lookup(16, [0] * 16, [0.0] * 16, strong, dear)
+    # every request switches; the first take their whole chains, and as each switch raises the step's tokens per
+    # second, a further token must bring more to pay for its row: later chains are cut shorter
+    assert list(got) == list(range(16)) and got[0] == 4 and min(got.values()) >= 1
+
+
+def test_under_measured_costs_a_lookup_chain_is_cut_where_its_further_tokens_do_not_pay():
+    """A chain's m-th token is accepted only with all before it (0.7 ** m here): where a row costs half a plain
+    token's time (16 requests, 1.25 ms a row, 2.5 ms a plain token), the first token pays and the later ones do
+    not, so the chain is cut to one token; with rows almost free it is drafted whole, and so it is where its
+    tokens are worth a step of one row (20 ms: the batch drains with this request last, StepCosts.token_value)."""
+    s = _measured_scheduler()
+    cands = {0: _p_chain(0.7)}
+    mid = _costs(1.25)
+    assert s.fit_lookup(16, [0] * 16, [0.0] * 16, cands, mid) == {0: 1}
+    assert s.fit_lookup(16, [0] * 16, [0.0] * 16, cands, _costs(0.01)) == {0: 4}
+    assert s.fit_lookup(16, [0] * 16, [0.0] * 16, cands, mid, token_value=0.020) == {0: 4}
+    # a heads' draft expecting more than the first token keeps the request (no prefix expects as much for its rows)
+    assert s.fit_lookup(16, [1] + [0] * 15, [0.86] + [0.0] * 15, cands, mid) == {}
 
 
 def test_best_expected_bounds_the_heads_and_scales_with_the_record():
@@ -310,7 +339,9 @@ def test_while_the_batch_drains_the_last_request_drafts_what_its_tokens_are_wort
     for resting in (False, True):
         d, costs, rids = _draining_drafter(n, draining=True, resting=resting)
         chosen, drafts = d._propose_scheduled(None, None, rids, [4] * n, [True] * n)
-        assert drafts == [[11, 12, 13, 14]] + [[]] * (n - 1) and chosen[0][0] == "lookup", resting
+        # its chain cut to 3 tokens: the 4th, accepted with 0.5 ** 4 = 0.06 (1.25 ms of a 20-ms token), is worth less
+        # than its 1.5-ms row
+        assert drafts == [[11, 12, 13]] + [[]] * (n - 1) and chosen[0][0] == "lookup", resting
         assert d._valued and not d.heads_ran
     # with 156 tokens left the others are as likely to finish last (LAST_SHARE): every token counts alike
     d, _, rids = _draining_drafter(n, draining=True, resting=False, others_out=100)
@@ -347,7 +378,7 @@ def test_a_draining_batchs_valued_steps_stay_out_of_the_realised_comparison():
     for draining in (True, False):
         d, costs, rids = _draining_drafter(n, draining=draining, resting=False)
         drafts = _draft_step(d, rids, [[5]] * n, spec=0)
-        assert (drafts[0] == [11, 12, 13, 14]) == draining and d._valued == draining
+        assert (drafts[0] == [11, 12, 13]) == draining and d._valued == draining  # a cut chain (above)
         d.runner.requests["r0"].output_token_ids = [0] * 200  # now as far as the others
         drafts = _draft_step(d, rids, [[11, 12]] + [[5]] * (n - 1) if draining else [[5]] * n,
                              spec=4 if draining else 0)
@@ -386,8 +417,8 @@ def test_the_load_trace_records_the_rules_answers_and_the_drafts_of_each_step(tm
     assert [r["spec"] for r in rows] == [0, 4, 4, 0, 0] and all(r["reqs"] == n for r in rows)
     first = rows[1]  # the drafter's call that ended step 0
     assert first["n"] == n and first["draining"] and first["valued"] and first["drafted"] == 1
-    assert first["draft_tokens"] == 4 and first["probe"] == [False] and "loses" not in first  # valued: no rest
-    assert first["lookup_tokens"] == 4  # r0's draft is its lookup chain
+    assert first["draft_tokens"] == 3 and first["probe"] == [False] and "loses" not in first  # valued: no rest
+    assert first["lookup_tokens"] == 3  # r0's draft is its lookup chain (cut to 3 tokens)
     assert "n" not in rows[0] and "n" not in rows[3]  # no call before them
     levels = lt.levels(rows)
     assert [len(lv) for lv in levels] == [3, 2]

@@ -666,14 +666,15 @@ class EntMTPProposer(MedusaProposer):
         nodes = [len(d) for d in drafts]
         acc = [self.scheduler.chosen_expected(rid, t if d else None) if i not in sure else 0.0
                for i, (rid, (_, t), d) in enumerate(zip(req_ids, chosen, drafts))]
-        cands = {i: (len(toks), self.lookup.expected(req_ids[i], len(toks))) for i, toks in lookups.items()}
-        switch = set(self.scheduler.fit_lookup(len(req_ids), nodes, acc, cands, costs, budget, value))
+        cands = {i: [self.lookup.expected(req_ids[i], m) for m in range(1, len(toks) + 1)]
+                 for i, toks in lookups.items()}
+        switch = self.scheduler.fit_lookup(len(req_ids), nodes, acc, cands, costs, budget, value)
         chosen, drafts = list(chosen), list(drafts)
         num_tokens = self.runner.input_batch.num_tokens_no_spec
         for i in lookups:
-            if i in switch:
-                chosen[i] = (LOOKUP_ID, _chain(len(lookups[i])))
-                drafts[i] = list(lookups[i])
+            if i in switch:  # its chain, cut where the costs say its further tokens do not pay for their rows
+                chosen[i] = (LOOKUP_ID, _chain(switch[i]))
+                drafts[i] = list(lookups[i][:switch[i]])
                 self.lookup.forget_unsent(req_ids[i])  # declined by a first weighing of this step, if any
                 continue
             if i in sure:  # not worth its rows at this load, and the heads did not draft it

@@ -477,46 +477,64 @@ class LoadRules:
             return 0.5 * max(tree.depths, default=0)
         return e * self.acceptance_ratio(req_id)
 
-    def fit_lookup(self, batch_size: int, nodes: list[int], acc: list[float], cands: dict[int, tuple[int, float]],
+    def fit_lookup(self, batch_size: int, nodes: list[int], acc: list[float], cands: dict[int, Sequence[float]],
                    costs: StepCosts | None, budget: int | None = None,
-                   token_value: float | None = None) -> list[int]:
-        """Which requests draft their prompt-lookup chain instead of the heads' draft.
+                   token_value: float | None = None) -> dict[int, int]:
+        """Which requests draft their prompt-lookup chain instead of the heads' draft, and how much of it.
 
         Args:
             batch_size: the step's requests.
             nodes, acc: per request, the draft nodes and expected accepted tokens of the heads' choice (0, 0: none).
-            cands: request index -> (tokens, expected accepted tokens) of its lookup draft.
+            cands: request index -> expected accepted tokens of its lookup chain's first 1, 2, ... tokens (the
+                last: the whole chain; :meth:`PromptLookup.expected <vllm_entmtp.lookup.PromptLookup.expected>`).
             costs: measured step costs (load policy ``"measured"``), or None.
             budget: the draft nodes the step may carry in all (:meth:`node_budget`: the cap of verified rows
                 less one root per request); None: no cap.
             token_value: the seconds of step time an accepted draft token is worth (:meth:`drafting_pays`); None:
                 the step's tokens per second decides.
 
+        Returns: request index -> the tokens of its chain it drafts, for the requests that switch.
+
         A lookup draft replaces the heads' where it expects at least as many accepted tokens; requests switch in
         order of expected tokens gained per row added, while the step's draft nodes stay within ``budget`` and,
-        under measured costs, while the switch keeps the step's expected tokens per second
-        (:class:`~vllm_entmtp.step_costs.StepCosts`) from falling.
+        under measured costs, where the switch raises the step's expected tokens per second
+        (:class:`~vllm_entmtp.step_costs.StepCosts`). Under measured costs a chain is cut to the prefix
+        that raises the step's tokens per second most (with ``token_value``: whose accepted tokens' worth exceeds
+        the time its rows add by most): a chain's later tokens are accepted only after all before them, so each
+        is less likely accepted than the one before and can cost more rows than it returns. Served on the 2-core
+        EPYC (2026-12-06, bfloat16, GSM8K at 16 running, ``benchmarks/results/lookup-length-epyc-2026-12-06/``),
+        lookup drafts were whole chains of 4 tokens of which 1.9 were accepted, where a draft row cost about 0.55
+        of a plain token's time. Without measured costs every chain is drafted whole.
         """
-        better = [i for i, (n, e) in cands.items() if e > 0 and e >= acc[i]]
+        better = [i for i, e in cands.items() if e and e[-1] > 0 and e[-1] >= acc[i]]
         curve = None
         if costs is not None and self.measured and better:
-            extra = sum(cands[i][0] for i in better)
+            extra = sum(len(cands[i]) for i in better)
             curve = self._curve(costs, batch_size, sum(nodes) + extra)
         if curve is None and budget is None:
-            return sorted(better)
+            return {i: len(cands[i]) for i in sorted(better)}
         total, tokens = sum(nodes), batch_size + sum(acc)
-        better.sort(key=lambda i: -(cands[i][1] - acc[i]) / max(cands[i][0] - nodes[i], 0.5))
-        out = []
+        better.sort(key=lambda i: -(cands[i][-1] - acc[i]) / max(len(cands[i]) - nodes[i], 0.5))
+        out = {}
         for i in better:
-            n, e = cands[i]
-            t_new, n_new = tokens - acc[i] + e, total - nodes[i] + n
-            if budget is not None and n_new > max(budget, total):
+            # the prefixes that fit and expect no fewer tokens than the heads' draft (without costs: the whole chain)
+            lengths = [m for m in range(1, len(cands[i]) + 1) if cands[i][m - 1] >= acc[i]] if curve is not None \
+                else [len(cands[i])]
+            lengths = [m for m in lengths if budget is None or total - nodes[i] + m <= max(budget, total)]
+            if not lengths:
                 continue  # past the cap (a switch that adds no node always fits)
-            if curve is None or (t_new / curve[n_new] >= tokens / curve[total] if token_value is None
-                                 else (t_new - tokens) * token_value >= curve[n_new] - curve[total]):
-                out.append(i)
+            if curve is None:
+                m = lengths[-1]
+            elif token_value is None:
+                m = max(lengths, key=lambda m: (tokens - acc[i] + cands[i][m - 1]) / curve[total - nodes[i] + m])
+            else:
+                m = max(lengths, key=lambda m: (cands[i][m - 1] - acc[i]) * token_value - curve[total - nodes[i] + m])
+            t_new, n_new = tokens - acc[i] + cands[i][m - 1], total - nodes[i] + m
+            if curve is None or (t_new / curve[n_new] > tokens / curve[total] if token_value is None
+                                 else (t_new - tokens) * token_value > curve[n_new] - curve[total]):
+                out[i] = m
                 tokens, total = t_new, n_new
-        return sorted(out)
+        return dict(sorted(out.items()))
 
     def expected_accepted(self, ladder_bin: int, cal_bin: int | None) -> float:
         """The cost model's expected accepted draft tokens of ladder bin ``ladder_bin`` (``K``: no drafting) for a

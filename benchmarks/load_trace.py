@@ -29,8 +29,6 @@ import json
 import os
 from collections import defaultdict
 
-from vllm_entmtp.drafter import LOOKUP_ID
-
 TRACE_ENV = "VLLM_ENTMTP_LOAD_TRACE"
 #: Steps further apart than this (seconds) start a new level: a benchmark's levels are separated by its client's
 #: set-up and warm-up requests.
@@ -72,6 +70,8 @@ class LoadTrace:
         if getattr(drafter, "scheduler", None) is not None:
             for method, name in SCHEDULER_CALLS.items():
                 self._wrap(drafter.scheduler, method, name)
+        from vllm_entmtp.drafter import LOOKUP_ID  # here: the report reads JSON lines only, without vLLM
+
         orig, call = drafter._propose_scheduled, self._call
 
         def propose(hidden, bonus, req_ids, budgets, active):

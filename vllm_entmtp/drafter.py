@@ -505,7 +505,9 @@ class EntMTPProposer(MedusaProposer):
             costs is None or not free or value is not None or self.lookup_rests.searches(n))
         lookups = self._lookup_drafts(req_ids, budgets, active, forced) if search else {}
         heads_only_lookup = self.spec_config.entmtp.draft_sources == "lookup"
-        sure = {i for i, toks in lookups.items()  # lookup drafts no heads' draft could beat
+        # lookup drafts no heads' draft could beat, whole (fit_lookup may cut them where their rows do not pay: the
+        # nodes kept from the heads' budget for their whole chains then go unused this step)
+        sure = {i for i, toks in lookups.items()
                 if heads_only_lookup or self.lookup.expected(req_ids[i], len(toks))
                 >= self.scheduler.best_expected(req_ids[i])}
         want_heads = [i for i in range(n) if budgets[i] > 0 and (active is None or active[i]) and i not in sure]

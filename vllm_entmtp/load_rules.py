@@ -46,8 +46,10 @@ Prompt lookup (``draft_sources`` ``"hybrid"``; :mod:`vllm_entmtp.lookup`): :meth
 request its lookup chain instead of the heads' draft where the lookup expects at least as many accepted tokens
 (its own record of lookup drafts against the calibration's expectation for the heads' choice, scaled by the
 request's acceptance record), within the cap of verified rows (rule 2) where one applies, and under measured
-costs only while that keeps the step's tokens per second from falling. :meth:`LoadRules.best_expected` lets the
-drafter skip the heads for requests whose lookup draft no heads' draft could beat.
+costs only where that raises the step's tokens per second (while the batch drains: where the accepted tokens'
+worth exceeds the time their rows add), the chain cut to the prefix that raises it most.
+:meth:`LoadRules.best_expected` lets the drafter skip the heads for requests whose lookup draft no heads' draft
+could beat.
 """
 from __future__ import annotations
 
@@ -500,8 +502,10 @@ class LoadRules:
         under measured costs, where the switch raises the step's expected tokens per second
         (:class:`~vllm_entmtp.step_costs.StepCosts`). Under measured costs a chain is cut to the prefix
         that raises the step's tokens per second most (with ``token_value``: whose accepted tokens' worth exceeds
-        the time its rows add by most): a chain's later tokens are accepted only after all before them, so each
-        is less likely accepted than the one before and can cost more rows than it returns. Served on the 2-core
+        the time its rows add by most), given the switches before it, and cut again once all are made (they raise
+        the step's rate, so a further token must bring more): a chain's later tokens are accepted only after all
+        before them, so each is less likely accepted than the one before and can cost more rows than it returns.
+        Served on the 2-core
         EPYC (2026-12-06, bfloat16, GSM8K at 16 running, ``benchmarks/results/lookup-length-epyc-2026-12-06/``),
         lookup drafts were whole chains of 4 tokens of which 1.9 were accepted, where a draft row cost about 0.55
         of a plain token's time. Without measured costs every chain is drafted whole.
@@ -514,6 +518,12 @@ class LoadRules:
         if curve is None and budget is None:
             return {i: len(cands[i]) for i in sorted(better)}
         total, tokens = sum(nodes), batch_size + sum(acc)
+
+        def raises(t_new: float, n_new: int, t: float, n: int) -> bool:  # the step with n_new nodes beats n's
+            if token_value is None:
+                return t_new / curve[n_new] > t / curve[n]
+            return (t_new - t) * token_value > curve[n_new] - curve[n]
+
         better.sort(key=lambda i: -(cands[i][-1] - acc[i]) / max(len(cands[i]) - nodes[i], 0.5))
         out = {}
         for i in better:
@@ -530,10 +540,21 @@ class LoadRules:
             else:
                 m = max(lengths, key=lambda m: (cands[i][m - 1] - acc[i]) * token_value - curve[total - nodes[i] + m])
             t_new, n_new = tokens - acc[i] + cands[i][m - 1], total - nodes[i] + m
-            if curve is None or (t_new / curve[n_new] > tokens / curve[total] if token_value is None
-                                 else (t_new - tokens) * token_value > curve[n_new] - curve[total]):
+            if curve is None or raises(t_new, n_new, tokens, total):
                 out[i] = m
                 tokens, total = t_new, n_new
+        # each chain was cut at the rate of the step as it stood then; the later switches raised it, so an earlier
+        # chain's last tokens may no longer pay: cut them again until none does
+        cut = curve is not None
+        while cut:
+            cut = False
+            for i, m in out.items():
+                shorter = [k for k in range(1, m) if cands[i][k - 1] >= acc[i]
+                           and raises(tokens - cands[i][m - 1] + cands[i][k - 1], total - m + k, tokens, total)]
+                if shorter:
+                    k = max(shorter, key=lambda k: (tokens - cands[i][m - 1] + cands[i][k - 1]) / curve[total - m + k]
+                            if token_value is None else cands[i][k - 1] * token_value - curve[total - m + k])
+                    tokens, total, out[i], cut = tokens - cands[i][m - 1] + cands[i][k - 1], total - m + k, k, True
         return dict(sorted(out.items()))
 
     def expected_accepted(self, ladder_bin: int, cal_bin: int | None) -> float:

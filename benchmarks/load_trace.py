@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 from collections import defaultdict
 
 TRACE_ENV = "VLLM_ENTMTP_LOAD_TRACE"
@@ -158,6 +159,22 @@ def summarize(level: list[dict]) -> dict:
             "by_batch": {n: dict(c) for n, c in sorted(by_batch.items(), reverse=True)}, "draining": dict(drain)}
 
 
+def by_drafter(level: list[dict], batch_size: int) -> dict[tuple[bool, str], tuple[int, float]]:
+    """The decode steps of ``batch_size`` requests (no prompt tokens) of a level, by whether they verified draft
+    tokens and by what the drafter did at their end (in the step's own time): ``"heads, drafted"``, ``"heads,
+    nothing drafted"`` (their confidence pass and the schedule's choice ran, and no draft came of them), ``"no
+    heads"`` (lookup drafts, or none): ``(verified drafts?, that) -> (steps, median ms)``. Made to price the heads'
+    pass where it drafts nothing (session 41, ``benchmarks/results/lookup-length-epyc-2026-12-06/``)."""
+    groups: dict[tuple[bool, str], list[float]] = defaultdict(list)
+    for a, b in zip(level, level[1:]):
+        if a["new"] or a["reqs"] != batch_size or "n" not in b:
+            continue
+        did = ("heads, drafted" if b.get("drafted") else "heads, nothing drafted") if b.get("heads_ran") \
+            else "no heads"
+        groups[(bool(a["spec"]), did)].append(1e3 * (b["t"] - a["t"]))
+    return {k: (len(v), statistics.median(v)) for k, v in sorted(groups.items())}
+
+
 def _row(label, c: dict) -> str:
     def ms(kind: str) -> float:  # mean milliseconds of a step of that kind
         steps = c.get(f"{kind}_steps", 0)
@@ -175,8 +192,10 @@ def _row(label, c: dict) -> str:
     return "| " + " | ".join(str(x) for x in cells) + " |"
 
 
-def report(paths: list[str], min_steps: int = 20) -> str:
-    """Markdown: per file and level of at least ``min_steps`` steps, a row per batch size and one for the drain."""
+def report(paths: list[str], min_steps: int = 20, drafter_at: int | None = None) -> str:
+    """Markdown: per file and level of at least ``min_steps`` steps, a row per batch size and one for the drain;
+    with ``drafter_at``, also that batch size's decode steps by what the drafter did at their end
+    (:func:`by_drafter`)."""
     head = ("| requests | steps | s | prompt steps | drafted | ms | draft tokens | of lookup | accepted | plain | ms | "
             "loses | pays | probes | explores |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
             "---:|")
@@ -189,6 +208,12 @@ def report(paths: list[str], min_steps: int = 20) -> str:
             if s["draining"]:
                 out.append(_row("draining", s["draining"]))
             out.append("")
+            groups = by_drafter(level, drafter_at) if drafter_at is not None else {}
+            if groups:
+                out += [f"Steps of {drafter_at} requests by what the drafter did at their end:", "",
+                        "| verified drafts | drafter | steps | median ms |", "|---|---|---:|---:|"]
+                out += [f"| {'yes' if v else 'no'} | {did} | {n} | {ms:.1f} |" for (v, did), (n, ms) in groups.items()]
+                out.append("")
     return "\n".join(out)
 
 
@@ -196,8 +221,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="+", help="trace files written by the hook")
     ap.add_argument("--min-steps", type=int, default=20, help="leave out levels of fewer steps (warm-ups)")
+    ap.add_argument("--drafter-at", type=int, default=None, metavar="N",
+                    help="also split the decode steps of N requests by what the drafter did at their end")
     args = ap.parse_args(argv)
-    print(report(args.paths, args.min_steps))
+    print(report(args.paths, args.min_steps, args.drafter_at))
 
 
 if __name__ == "__main__":

@@ -458,3 +458,28 @@ def test_the_load_trace_report_gives_a_drafted_step_the_tokens_the_next_line_say
     assert c["draft_tokens"] == 5 and c["lookup_tokens"] == 4 and c["accepted"] == 3
     assert c["drafted_seconds"] == pytest.approx(0.07)
     assert "| 4 | 3 | 0.16 | 0 | 1 | 70.0 | 5.0 | 4.0 | 3.0 | 2 | 45.0 |" in lt.report([str(path)], min_steps=1)
+
+
+def test_the_load_trace_splits_a_batch_sizes_steps_by_what_the_drafter_did_at_their_end(tmp_path):
+    """benchmarks/load_trace.py --drafter-at: a step's time includes the drafter's call at its end (the next line
+    holds what that call did), so the steps are grouped by it: the heads ran and drafted, ran and drafted nothing, or
+    did not run; a step with prompt tokens, of another batch size, or the level's last is left out."""
+    from conftest import load_benchmark
+
+    lt = load_benchmark("load_trace")
+    call = dict(n=4, drafted=0, draft_tokens=0, lookup_tokens=0, accepted=0)
+    lines = [dict(t=0.0, reqs=4, tokens=4, new=0, spec=0),
+             # each line: a step's start, and what the drafter did at the end of the step before
+             dict(t=0.050, reqs=4, tokens=4, new=0, spec=0, **call, heads_ran=True),  # step 0: heads, nothing
+             dict(t=0.100, reqs=4, tokens=4, new=0, spec=0, **call, heads_ran=False),  # step 1: no heads
+             dict(t=0.146, reqs=4, tokens=6, new=0, spec=2, **(call | dict(drafted=1, draft_tokens=2)),
+                  heads_ran=True),  # step 2: heads, drafted
+             dict(t=0.216, reqs=4, tokens=4, new=1, spec=0, **call, heads_ran=False),  # step 3 (verified 2)
+             dict(t=0.300, reqs=5, tokens=5, new=0, spec=0, **call, heads_ran=False),  # step 4: a prompt step
+             dict(t=0.340, reqs=5, tokens=5, new=0, spec=0, **call, heads_ran=False)]
+    path = tmp_path / "trace-2.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    got = {k: (n, round(ms, 6)) for k, (n, ms) in lt.by_drafter(lt.read(str(path)), 4).items()}
+    assert got == {(False, "heads, nothing drafted"): (1, 50.0), (False, "no heads"): (1, 50.0),
+                   (False, "heads, drafted"): (1, 46.0), (True, "no heads"): (1, 70.0)}
+    assert "| no | heads, nothing drafted | 1 | 50.0 |" in lt.report([str(path)], min_steps=1, drafter_at=4)

@@ -505,10 +505,10 @@ class LoadRules:
         the time its rows add by most), given the switches before it, and cut again once all are made (they raise
         the step's rate, so a further token must bring more): a chain's later tokens are accepted only after all
         before them, so each is less likely accepted than the one before and can cost more rows than it returns.
-        Served on the 2-core
-        EPYC (2026-12-06, bfloat16, GSM8K at 16 running, ``benchmarks/results/lookup-length-epyc-2026-12-06/``),
-        lookup drafts were whole chains of 4 tokens of which 1.9 were accepted, where a draft row cost about 0.55
-        of a plain token's time. Without measured costs every chain is drafted whole.
+        Served on the 2-core EPYC (2026-12-06, bfloat16, GSM8K at 16 running,
+        ``benchmarks/results/lookup-length-epyc-2026-12-06/``), lookup drafts were whole chains of 4 tokens of
+        which 1.9 were accepted, where a draft row cost about 0.55 of a plain token's time. Without measured
+        costs every chain is drafted whole.
         """
         better = [i for i, e in cands.items() if e and e[-1] > 0 and e[-1] >= acc[i]]
         curve = None

@@ -519,10 +519,8 @@ class LoadRules:
             return {i: len(cands[i]) for i in sorted(better)}
         total, tokens = sum(nodes), batch_size + sum(acc)
 
-        def raises(t_new: float, n_new: int, t: float, n: int) -> bool:  # the step with n_new nodes beats n's
-            if token_value is None:
-                return t_new / curve[n_new] > t / curve[n]
-            return (t_new - t) * token_value > curve[n_new] - curve[n]
+        def score(t: float, n: int) -> float:  # a step of t expected tokens over n draft nodes: the higher, the better
+            return t / curve[n] if token_value is None else t * token_value - curve[n]
 
         better.sort(key=lambda i: -(cands[i][-1] - acc[i]) / max(len(cands[i]) - nodes[i], 0.5))
         out = {}
@@ -533,14 +531,9 @@ class LoadRules:
             lengths = [m for m in lengths if budget is None or total - nodes[i] + m <= max(budget, total)]
             if not lengths:
                 continue  # past the cap (a switch that adds no node always fits)
-            if curve is None:
-                m = lengths[-1]
-            elif token_value is None:
-                m = max(lengths, key=lambda m: (tokens - acc[i] + cands[i][m - 1]) / curve[total - nodes[i] + m])
-            else:
-                m = max(lengths, key=lambda m: (cands[i][m - 1] - acc[i]) * token_value - curve[total - nodes[i] + m])
-            t_new, n_new = tokens - acc[i] + cands[i][m - 1], total - nodes[i] + m
-            if curve is None or raises(t_new, n_new, tokens, total):
+            switched = [(tokens - acc[i] + cands[i][m - 1], total - nodes[i] + m, m) for m in lengths]
+            t_new, n_new, m = switched[-1] if curve is None else max(switched, key=lambda s: score(s[0], s[1]))
+            if curve is None or score(t_new, n_new) > score(tokens, total):
                 out[i] = m
                 tokens, total = t_new, n_new
         # each chain was cut at the rate of the step as it stood then; the later switches raised it, so an earlier
@@ -549,12 +542,12 @@ class LoadRules:
         while cut:
             cut = False
             for i, m in out.items():
-                shorter = [k for k in range(1, m) if cands[i][k - 1] >= acc[i]
-                           and raises(tokens - cands[i][m - 1] + cands[i][k - 1], total - m + k, tokens, total)]
+                shorter = [(tokens - cands[i][m - 1] + cands[i][k - 1], total - m + k, k) for k in range(1, m)
+                           if cands[i][k - 1] >= acc[i]]
+                shorter = [s for s in shorter if score(s[0], s[1]) > score(tokens, total)]
                 if shorter:
-                    k = max(shorter, key=lambda k: (tokens - cands[i][m - 1] + cands[i][k - 1]) / curve[total - m + k]
-                            if token_value is None else cands[i][k - 1] * token_value - curve[total - m + k])
-                    tokens, total, out[i], cut = tokens - cands[i][m - 1] + cands[i][k - 1], total - m + k, k, True
+                    tokens, total, out[i] = max(shorter, key=lambda s: score(s[0], s[1]))
+                    cut = True
         return dict(sorted(out.items()))
 
     def expected_accepted(self, ladder_bin: int, cal_bin: int | None) -> float:

@@ -16,7 +16,8 @@ drained (``draining``, :class:`~vllm_entmtp.step_costs.Refills`), the load rule'
 order (``probe``: ``StepCosts.needs_probe``, ``reference``: ``needs_reference``, ``loses``: ``drafting_loses``,
 ``explore``: ``needs_exploration``, ``pays``: ``TreeScheduler.drafting_pays``), the requests that drafted and their
 draft tokens (``drafted``, ``draft_tokens``) and those from prompt lookup (``lookup_tokens``), whether the heads
-ran, whether the drafts explored and whether they were weighed by ``StepCosts.token_value`` (``valued``); and the
+ran, the requests (ids) the heads' pass ran for and those that drafted from the heads (``heads_rows``,
+``heads_drafted``), whether the drafts explored and whether they were weighed by ``StepCosts.token_value`` (``valued``); and the
 draft tokens the step before accepted, its bonus tokens not counted (``accepted``, from the drafter's
 ``draft_step``). The report gives, per batch size, the mean draft tokens, lookup draft tokens and accepted draft
 tokens of the decode steps that verified drafts. Made to find where a level's time went (session 40: the drain of
@@ -82,6 +83,9 @@ class LoadTrace:
                         drafted=sum(1 for d in drafts if d), draft_tokens=sum(len(d) for d in drafts),
                         lookup_tokens=sum(len(d) for (t, _), d in zip(chosen, drafts) if t == LOOKUP_ID),
                         heads_ran=bool(drafter.heads_ran), explored=bool(drafter._heads_exploring),
+                        # per request (by id): the heads' pass ran for it; it drafted from the heads
+                        heads_rows=[req_ids[i] for i in getattr(drafter, "heads_rows", ())],
+                        heads_drafted=[r for r, (t, _), d in zip(req_ids, chosen, drafts) if d and t != LOOKUP_ID],
                         valued=bool(getattr(drafter, "_valued", False)))
             return chosen, drafts
 

@@ -357,9 +357,10 @@ def test_while_the_batch_drains_the_last_request_drafts_what_its_tokens_are_wort
     assert drafts == [[]] * n and not d._valued
 
 
-def _draft_step(d, rids, sampled: list[list[int]], spec: int) -> list[list[int]]:
+def _draft_step(d, rids, sampled: list[list[int]], spec: int, accepted: list[int] | None = None) -> list[list[int]]:
     """The drafter's ``draft_step`` after a decode step of ``len(rids)`` requests that verified ``spec`` draft tokens
-    in 50 ms and sampled ``sampled`` (the runner's step state as ``patches/runner.py`` leaves it)."""
+    in 50 ms and sampled ``sampled`` (the runner's step state as ``patches/runner.py`` leaves it; ``accepted``: each
+    request's accepted draft tokens, as the verification leaves them in ``STEP.signals``, or None)."""
     import time
     from types import SimpleNamespace
 
@@ -368,7 +369,7 @@ def _draft_step(d, rids, sampled: list[list[int]], spec: int) -> list[list[int]]
     out = SimpleNamespace(num_spec_tokens_to_schedule=4, scheduled_new_reqs=[], finished_req_ids=set(),
                           scheduled_cached_reqs=SimpleNamespace(req_ids=rids))
     saved = STEP.decode_rows, STEP.rows_clock, STEP.signals
-    STEP.decode_rows, STEP.rows_clock, STEP.signals = len(rids) + spec, time.perf_counter() - 0.05, (None, None)
+    STEP.decode_rows, STEP.rows_clock, STEP.signals = len(rids) + spec, time.perf_counter() - 0.05, (None, accepted)
     try:
         return d.draft_step(out, sampled, None, torch.zeros(len(rids), 8), None)
     finally:
@@ -395,6 +396,20 @@ def test_a_draining_batchs_valued_steps_stay_out_of_the_realised_comparison():
         _draft_step(d, rids, [[5]] * n, spec=sum(len(x) for x in drafts))
         recorded = sum(costs._seen.get((f"step-{drafted}", n), 0) for drafted in (True, False))  # first included
         assert recorded == (1 if draining else 3), draining
+
+
+def test_a_cut_lookup_draft_is_scored_at_the_length_it_was_drafted():
+    """A lookup chain cut by ``fit_lookup`` (r0's, to 3 of its 4 tokens while the batch drains, above) and accepted
+    whole enters the request's lookup record as a draft accepted whole: 3 tokens and no rejection, not a 4-token
+    chain whose last token was rejected (``PromptLookup.observe`` is given the length drafted)."""
+    n = 16
+    d, _, rids = _draining_drafter(n, draining=True, resting=False)
+    drafts = _draft_step(d, rids, [[5]] * n, spec=0)
+    assert drafts[0] == [11, 12, 13]
+    before, beta = list(d.lookup._record["r0"]), d.lookup._beta
+    _draft_step(d, rids, [[11, 12, 13, 14]] + [[5]] * (n - 1), spec=3, accepted=[3] + [0] * (n - 1))
+    accepted, rejections = d.lookup._record["r0"]
+    assert accepted == pytest.approx(beta * before[0] + 3) and rejections == pytest.approx(beta * before[1])
 
 
 def test_the_load_trace_records_the_rules_answers_and_the_drafts_of_each_step(tmp_path):

@@ -10,18 +10,20 @@ A step hook (``$VLLM_ENTMTP_STEP_HOOK=load_trace``, this folder on ``PYTHONPATH`
     python benchmarks/load_trace.py /tmp/trace-*.jsonl
 
 A line holds the step's start (``t``, ``time.perf_counter`` seconds), its requests (``reqs``), scheduled tokens
-(``tokens``), requests new to the engine (``new``) and draft tokens verified (``spec``); and, from the drafter's call
-that ended the step before (it proposed the drafts this step verifies), its batch size (``n``), whether the batch
-drained (``draining``, :class:`~vllm_entmtp.step_costs.Refills`), the load rule's answers in that call, in call
-order (``probe``: ``StepCosts.needs_probe``, ``reference``: ``needs_reference``, ``loses``: ``drafting_loses``,
+(``tokens``), requests new to the engine (``new``) and draft tokens verified (``spec``); and, from the drafter's
+call that ended the step before (it proposed the drafts this step verifies), its batch size (``n``), whether the
+batch drained (``draining``, :class:`~vllm_entmtp.step_costs.Refills`), the load rule's answers in that call, in
+call order (``probe``: ``StepCosts.needs_probe``, ``reference``: ``needs_reference``, ``loses``: ``drafting_loses``,
 ``explore``: ``needs_exploration``, ``pays``: ``TreeScheduler.drafting_pays``), the requests that drafted and their
 draft tokens (``drafted``, ``draft_tokens``) and those from prompt lookup (``lookup_tokens``), whether the heads
-ran, the requests (ids) the heads' pass ran for and those that drafted from the heads (``heads_rows``,
-``heads_drafted``), whether the drafts explored and whether they were weighed by ``StepCosts.token_value`` (``valued``); and the
-draft tokens the step before accepted, its bonus tokens not counted (``accepted``, from the drafter's
-``draft_step``). The report gives, per batch size, the mean draft tokens, lookup draft tokens and accepted draft
-tokens of the decode steps that verified drafts. Made to find where a level's time went (session 40: the drain of
-a level, ``benchmarks/results/drain-epyc-2026-12-06/``); it adds a few hundred bytes of writing per step.
+ran, the requests (ids) the schedule's choice ran for and those that drafted from the heads (``heads_rows``,
+``heads_drafted``: a request whose lookup chain won after the heads ran is in the first, not the second), whether
+the drafts explored and whether they were weighed by ``StepCosts.token_value`` (``valued``); and the draft tokens
+the step before accepted, its bonus tokens not counted (``accepted``, from the drafter's ``draft_step``). The report
+gives, per batch size, the mean draft tokens, lookup draft tokens and accepted draft tokens of the decode steps that
+verified drafts. Made to find where a level's time went (session 40: the drain of a level,
+``benchmarks/results/drain-epyc-2026-12-06/``); it adds a few hundred bytes of writing per step, up to about 3 KB at
+32 running with the request ids.
 """
 from __future__ import annotations
 

@@ -78,7 +78,9 @@ class EntMTPProposer(MedusaProposer):
 
     runner = None  # set by the runner patch
     heads_ran = True  # whether this step's drafting ran the heads
-    heads_rows: tuple[int, ...] = ()  # this step: the batch indices the heads ran for (confidence pass, choice)
+    # this step: the batch indices the schedule's choice ran for (Hydra heads under the confidence policy: their
+    # confidence pass too; Medusa heads' pass covers the whole batch)
+    heads_rows: tuple[int, ...] = ()
     heads_seconds = 0.0  # this step: the time the heads' drafting took (confidence, the schedule, the drafts)
     draft_seconds = 0.0  # this step: the part of heads_seconds after the schedule's choice (the drafts)
     _draft_fell_back = False  # this step's drafts were made request by request after the batch's call failed

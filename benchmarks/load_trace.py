@@ -85,7 +85,7 @@ class LoadTrace:
                         drafted=sum(1 for d in drafts if d), draft_tokens=sum(len(d) for d in drafts),
                         lookup_tokens=sum(len(d) for (t, _), d in zip(chosen, drafts) if t == LOOKUP_ID),
                         heads_ran=bool(drafter.heads_ran), explored=bool(drafter._heads_exploring),
-                        # per request (by id): the heads' pass ran for it; it drafted from the heads
+                        # per request (by id): the schedule's choice ran for it; it drafted from the heads
                         heads_rows=[req_ids[i] for i in getattr(drafter, "heads_rows", ())],
                         heads_drafted=[r for r, (t, _), d in zip(req_ids, chosen, drafts) if d and t != LOOKUP_ID],
                         valued=bool(getattr(drafter, "_valued", False)))

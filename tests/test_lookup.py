@@ -443,7 +443,8 @@ def test_the_load_trace_records_the_rules_answers_and_the_drafts_of_each_step(tm
     assert first["n"] == n and first["draining"] and first["valued"] and first["drafted"] == 1
     assert first["draft_tokens"] == 3 and first["probe"] == [False] and "loses" not in first  # valued: no rest
     assert first["lookup_tokens"] == 3  # r0's draft is its lookup chain (cut to 3 tokens)
-    assert first["heads_rows"] == [] and first["heads_drafted"] == []  # the heads did not run: r0 takes its lookup draft
+    # the heads did not run: r0 takes its lookup draft
+    assert first["heads_rows"] == [] and first["heads_drafted"] == []
     assert "n" not in rows[0] and "n" not in rows[3]  # no call before them
     levels = lt.levels(rows)
     assert [len(lv) for lv in levels] == [3, 2]

@@ -43,6 +43,17 @@ def parse_rows(text: str) -> list[int]:
     return sorted(out)
 
 
+def checked_rows(ap, args) -> list[int]:
+    """``args.rows`` parsed, and ``args.repeats`` checked; a bad value ends the script with the parser's error."""
+    try:
+        rows = parse_rows(args.rows)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    return rows
+
+
 def median_ms(run, counts: list[int], repeats: int, before=None) -> dict[int, float]:
     """Median milliseconds of ``run(count)`` per count: each count run once first (kernels built for its shapes),
     then ``repeats`` passes over the counts in a random order each, ``before()`` (if given) ahead of each timed
@@ -81,12 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flush-mb", type=int, default=64, help="buffer written before each pass (more than the L3)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
-    try:
-        rows = parse_rows(args.rows)
-    except ValueError as e:
-        ap.error(str(e))
-    if args.repeats < 1:
-        ap.error("--repeats must be >= 1")
+    rows = checked_rows(ap, args)
 
     import torch
     from vllm import _custom_ops as ops

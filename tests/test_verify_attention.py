@@ -127,20 +127,6 @@ def test_what_fixes_a_layer_to_vllms_kernel_is_named_at_start_up():
         assert words in va.layer_limits(types.SimpleNamespace(**{**vars(impl), key: value}), "vec", 128), key
 
 
-def test_a_build_lock_left_by_a_killed_start_is_removed(tmp_path):
-    import os
-    import time
-    lock = tmp_path / "lock"
-    lock.write_text("")
-    va._clear_stale_lock(tmp_path)
-    assert lock.exists()  # a build may be running right now
-    old = time.time() - va.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    va._clear_stale_lock(tmp_path)
-    assert not lock.exists()
-    va._clear_stale_lock(tmp_path / "missing")  # nothing to do, no error
-
-
 def test_rows_are_read_and_written_in_place_with_strides(kernel):
     # the layer's query is a view into a wider tensor (q of a fused qkv projection): rows strided, not copied
     query, cache, qsl, seq, table = va.random_batch(torch.float32, [30, 200, 90], [2, 1, 3], seed=5)

@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from vllm_entmtp.fast_linear import FastLinear
+from vllm_entmtp import hydra_kernel
+from vllm_entmtp.fast_linear import FastLinear, time_kernel
 from vllm_entmtp.heads.hydra import HydraHeads
 from vllm_entmtp.heads.medusa import MedusaHeads
 from vllm_entmtp.lifetimes import drop_missing
@@ -174,7 +175,10 @@ class HydraDrafter:
         confidence_threshold: as for :class:`MTPDrafter` (chains only).
         measure_kernels: run each head's block (its two linear maps fused into one) and the draft lm_head by
             the kernel measured fastest on this machine (:class:`~vllm_entmtp.fast_linear.FastLinear`; the
-            server's and ``build-trees``' drafter); False (default): the heads' own modules, as trained.
+            server's and ``build-trees``' drafter), and levels of at most
+            :data:`~vllm_entmtp.hydra_kernel.MAX_ROWS` paths by the plugin's one-call kernel
+            (:mod:`~vllm_entmtp.hydra_kernel`) where it builds and times faster than that; False (default): the
+            heads' own modules, as trained.
     """
 
     #: :meth:`confidence` runs heads along the greedy chain (as many as asked), which a tree may not need: callers
@@ -193,14 +197,47 @@ class HydraDrafter:
         self.confidence_threshold = float(confidence_threshold)
         self.blocks: list[tuple[FastLinear, int]] | None = None
         self.lm: list[FastLinear] | None = None
+        #: per head its fused block ``(weight [2H, in], bias [2H])`` where levels of few paths take the one-call
+        #: kernel (:mod:`~vllm_entmtp.hydra_kernel`), else None
+        self.level_weights: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.level_timings: dict[str, float] = {}
         if measure_kernels:
-            self.blocks, self.lm = _fast_hydra_layers(heads, self.w_draft)
+            fused = _fused_blocks(heads)
+            self.blocks, self.lm = _fast_hydra_layers(fused, heads, self.w_draft)
+            self.level_weights = self._measure_level_kernel(fused)
 
     def describe_kernels(self) -> str:
         """Which kernel each of the heads' linear layers runs (for the start-up log)."""
         if self.blocks is None:
             return "the heads' own modules"
-        return f"head blocks {self.blocks[0][0].describe()}; draft lm_head {self.lm[0].describe()}"
+        out = f"head blocks {self.blocks[0][0].describe()}; draft lm_head {self.lm[0].describe()}"
+        t = {k: f"{v * 1e3:.3f} ms" for k, v in self.level_timings.items()}
+        if self.level_weights is not None:
+            return (f"{out}; levels of 1-{hydra_kernel.MAX_ROWS} paths: the plugin's kernel (one path: {t['kernel']}, "
+                    f"torch's operators {t['torch']})")
+        if t:
+            return f"{out}; levels by torch's operators (one path: {t['torch']}, the plugin's kernel {t['kernel']})"
+        return f"{out}; levels by torch's operators ({hydra_kernel.why_not()})"
+
+    def _measure_level_kernel(self, fused) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The fused blocks' weights when the one-call kernel builds here, serves these heads (the target's lm_head
+        shared, a hidden size that is a multiple of 16, on the CPU) and takes a level of one path in less time than
+        torch's path (timed once, on the heads' own weights), else None."""
+        if (self.heads.hydra_lm_head is not None or self.w_draft is None or self.w_draft.device.type != "cpu"
+                or self.heads.config.hidden_size % 16):
+            return None
+        dtype = self.w_draft.dtype
+        if any(w.dtype != dtype or w.device.type != "cpu" for w, _, _ in fused) or not hydra_kernel.load(dtype):
+            return None
+        weights = [(w.contiguous(), b.contiguous()) for w, b, _ in fused]
+        hidden = torch.randn(1, self.heads.config.hidden_size, dtype=dtype)
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.w_draft.device)
+        with torch.inference_mode():
+            for name, lw in (("kernel", weights), ("torch", None)):
+                self.level_weights = lw
+                self.level_timings[name] = time_kernel(lambda _: self._level(0, hidden, ids, 1), None)
+            self.level_weights = None
+        return weights if self.level_timings["kernel"] < self.level_timings["torch"] else None
 
     def _hidden_states(self, k: int, hidden: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         if self.blocks is None:
@@ -225,6 +262,9 @@ class HydraDrafter:
         softmax over the draft vocabulary is skipped where nothing reads it)."""
         n = path_ids.shape[0]
         emb = self.embed(path_ids.reshape(-1)).view(n, path_ids.shape[1], -1).to(hidden.dtype)
+        if self.level_weights is not None and n <= hydra_kernel.MAX_ROWS and hidden.dtype == self.w_draft.dtype:
+            return hydra_kernel.level(hidden.contiguous(), emb[:, :k + 1].contiguous(), *self.level_weights[k],
+                                      self.w_draft, self.heads.token_map, topk, probs)
         logits = self._logits(k, self._hidden_states(k, hidden, emb))
         if not probs:
             return self.heads.to_token_ids(logits.topk(topk, dim=-1).indices).tolist(), None
@@ -423,10 +463,9 @@ class PrefixKVCache:
         return len(self._kv)
 
 
-def _fast_hydra_layers(heads: HydraHeads, w_draft: torch.Tensor | None
-                       ) -> tuple[list[tuple[FastLinear, int]], list[FastLinear]]:
-    """Per head, its block's two linear maps fused into one ``[2H, in]`` :class:`FastLinear` (the residual map
-    first; the identity where the block has none), and the draft lm_head(s)."""
+def _fused_blocks(heads: HydraHeads) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """Per head, its block's two linear maps fused into one: ``(weight [2H, in], bias [2H], H)``, the residual map
+    first (the identity where the block has none)."""
     if not heads.config.grounded_heads or heads.config.hydra_num_layers != 1:
         raise ValueError("measured kernels need grounded Hydra heads of one layer (the shipped layout)")
     blocks = []
@@ -438,9 +477,14 @@ def _fast_hydra_layers(heads: HydraHeads, w_draft: torch.Tensor | None
             rw, rb = res.weight, res.bias
         else:  # identity residual (n_in == h)
             rw, rb = torch.eye(h, n_in, dtype=lin.weight.dtype), torch.zeros(h, dtype=lin.weight.dtype)
-        w = torch.cat([rw, lin.weight]).detach()
-        b = torch.cat([rb, lin.bias]).detach()
-        blocks.append((FastLinear(w, b), h))
+        blocks.append((torch.cat([rw, lin.weight]).detach(), torch.cat([rb, lin.bias]).detach(), h))
+    return blocks
+
+
+def _fast_hydra_layers(fused: list[tuple[torch.Tensor, torch.Tensor, int]], heads: HydraHeads,
+                       w_draft: torch.Tensor | None) -> tuple[list[tuple[FastLinear, int]], list[FastLinear]]:
+    """Per head, its fused block (:func:`_fused_blocks`) as a :class:`FastLinear`, and the draft lm_head(s)."""
+    blocks = [(FastLinear(w, b), h) for w, b, h in fused]
     if heads.hydra_lm_head is not None:
         lm = [FastLinear(m.weight.detach(), m.bias.detach() if m.bias is not None else None)
               for m in heads.hydra_lm_head]

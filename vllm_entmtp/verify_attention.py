@@ -21,86 +21,43 @@ random float32 batches within 2.4e-7 of outputs of order 1; the start-up check a
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from vllm_entmtp import cpp_build
 
 logger = logging.getLogger("vllm.entmtp")  # through vLLM's configured logger, as the drafter's lines
 
 #: Requests with at most this many query rows take the kernel (a chain of 15 draft tokens and its root).
 MAX_ROWS = 16
 SUPPORTED_ISA = "vec"
-SOURCE = Path(__file__).parent / "kernels" / "verify_attention.cpp"
+SOURCE = "verify_attention.cpp"
 NAME = "entmtp_verify_attention"
-#: A build lock older than this is taken as left by a start that was killed while building (torch's lock has no
-#: timeout: a later start would wait for it for ever).
-STALE_LOCK_S = 600
-_state: dict = {"kernel": None, "reason": "not loaded", "checked": set()}
 
 
 def kernel():
     """The loaded kernel (``multirow_attention``), or None."""
-    return _state["kernel"]
+    return KERNEL.module.multirow_attention if KERNEL.module is not None else None
 
 
 def use(impls, on: bool) -> None:
     """Whether these attention layers (one engine's ``TreeCPUAttentionImpl`` objects) take the kernel
     (:func:`serves`): set by the engine's drafter from its option ``verify_attention``, after :func:`load`."""
     for impl in impls:
-        impl.entmtp_verify = bool(on) and _state["kernel"] is not None
+        impl.entmtp_verify = bool(on) and KERNEL.module is not None
 
 
 def why_not() -> str:
     """Why :func:`kernel` is None (empty when it is loaded)."""
-    return _state["reason"]
+    return KERNEL.reason
 
 
 def load(dtype: torch.dtype) -> bool:
     """Build (the first time: about 30 s with g++; then from torch's extension folder) and check the kernel against
-    vLLM's on a small batch in ``dtype`` (once per dtype); True when it is ready. A failure leaves vLLM's kernel for every step and
-    says why (:func:`why_not`)."""
-    if _state["kernel"] is not None and dtype in _state["checked"]:
-        return True
-    reason = _unavailable(dtype)
-    if reason is None:
-        try:
-            if _state["kernel"] is None:
-                from torch.utils.cpp_extension import _get_build_directory
-                from torch.utils.cpp_extension import load as load_extension
-                _clear_stale_lock(Path(_get_build_directory(NAME, verbose=False)))
-                # -fopenmp: ATen's parallel_for (the requests' KV heads over torch's threads) is OpenMP in its
-                # headers
-                mod = load_extension(NAME, [str(SOURCE)], extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"],
-                                     extra_ldflags=["-fopenmp"], verbose=False)
-                _state["kernel"] = mod.multirow_attention
-            err = self_check(dtype)
-            if err is not None:
-                _state["kernel"] = None
-                reason = err
-            else:
-                _state["checked"].add(dtype)
-        except Exception as e:  # noqa: BLE001 - vLLM's kernel serves instead
-            _state["kernel"] = None
-            reason = f"the kernel did not build: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    _state["reason"] = reason or ""
-    if reason:
-        logger.info("entmtp: verification attention by vLLM's kernel only: %s", reason)
-    return reason is None
-
-
-def _clear_stale_lock(build_dir: Path) -> None:
-    """Remove a build lock older than :data:`STALE_LOCK_S` (left by a start killed while building)."""
-    lock = build_dir / "lock"
-    try:
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()
-            logger.warning("entmtp: removed a stale build lock of the verification kernel: %s", lock)
-    except OSError:
-        pass
+    vLLM's on a small batch in ``dtype`` (once per dtype); True when it is ready. A failure leaves vLLM's kernel for
+    every step and says why (:func:`why_not`)."""
+    return KERNEL.load(dtype)
 
 
 def _unavailable(dtype: torch.dtype) -> str | None:
@@ -111,13 +68,7 @@ def _unavailable(dtype: torch.dtype) -> str | None:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     if _get_attn_isa(dtype, 128, 64, "auto") != SUPPORTED_ISA:
         return f"vLLM's CPU attention uses another KV layout than '{SUPPORTED_ISA}' here"
-    compiler = os.environ.get("CXX", "c++")  # what torch's extension builder runs
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler ({compiler}, from $CXX or c++) to build it"
-    from torch.utils.cpp_extension import is_ninja_available
-    if not is_ninja_available():
-        return "no ninja on PATH to build it (torch's extension builder needs it)"
-    return None
+    return cpp_build.toolchain_missing()
 
 
 def layer_limits(impl, layout: str, block_size: int) -> str | None:
@@ -163,7 +114,7 @@ def multirow(query, kv_cache, qsl, seq_lens, block_table, scale: float, reqs: to
     out = torch.empty_like(query) if out is None else out
     if reqs is None:
         reqs = torch.arange(len(seq_lens), dtype=torch.int32)
-    _state["kernel"](query, kv_cache.view(nb, hkv, -1), qsl, seq_lens, block_table, reqs, float(scale), out)
+    kernel()(query, kv_cache.view(nb, hkv, -1), qsl, seq_lens, block_table, reqs, float(scale), out)
     return out
 
 
@@ -261,7 +212,7 @@ def plan(attn_metadata, impl, isa: str, dtype: torch.dtype, verifying=None) -> S
 
 def serves(impl, layer, kv_cache: torch.Tensor) -> bool:
     """Whether this layer's attention can take the kernel at all (same every step)."""
-    return (getattr(impl, "entmtp_verify", False) and _state["kernel"] is not None
+    return (getattr(impl, "entmtp_verify", False) and KERNEL.module is not None
             and getattr(layer, "isa", None) == SUPPORTED_ISA and impl.alibi_slopes is None
             and impl.sliding_window == -1 and not impl.logits_soft_cap and impl.sinks is None
             and impl.kv_cache_dtype == "auto" and kv_cache.is_contiguous()
@@ -288,3 +239,6 @@ def forward(impl, layer, query: torch.Tensor, kv_cache: torch.Tensor, split: Spl
             k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype)
         out.index_copy_(0, split.rows_v, ov)
     multirow(q, kv_cache, split.qsl, split.seq_lens, split.table, impl.scale, reqs=split.reqs_m, out=out)
+
+
+KERNEL = cpp_build.BuiltKernel(NAME, SOURCE, _unavailable, self_check, "verification attention by vLLM's kernel")

@@ -1,0 +1,105 @@
+"""Building the plugin's C++ CPU kernels (``vllm_entmtp/kernels/*.cpp``) with torch's extension builder.
+
+Each kernel is built the first time an engine needs it (g++ and ninja, some 30 s), then loaded from torch's
+extension folder. Where it cannot be built, its caller keeps torch's or vLLM's path and says why.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("vllm.entmtp")
+
+KERNELS = Path(__file__).parent / "kernels"
+#: A build lock older than this is taken as left by a start that was killed while building (torch's lock has no
+#: timeout: a later start would wait for it for ever).
+STALE_LOCK_S = 600
+
+
+def toolchain_missing() -> str | None:
+    """Why the AVX-512F kernels cannot be built and run here (None: they can): no AVX-512, no C++ compiler, no
+    ninja."""
+    if not torch.cpu._is_avx512_supported():
+        return "this CPU has no AVX-512"
+    compiler = os.environ.get("CXX", "c++")  # what torch's extension builder runs
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}, from $CXX or c++) to build it"
+    from torch.utils.cpp_extension import is_ninja_available
+    if not is_ninja_available():
+        return "no ninja on PATH to build it (torch's extension builder needs it)"
+    return None
+
+
+def build(name: str, source: str):
+    """The extension module ``name`` built from ``kernels/<source>`` (AVX-512F, OpenMP: ATen's ``parallel_for`` is
+    OpenMP in its headers).
+
+    Raises:
+        Exception: whatever the build raises (callers fall back and log it).
+    """
+    from torch.utils.cpp_extension import _get_build_directory
+    from torch.utils.cpp_extension import load as load_extension
+    clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
+    return load_extension(name, [str(KERNELS / source)], extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"],
+                          extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def clear_stale_lock(build_dir: Path) -> None:
+    """Remove a build lock older than :data:`STALE_LOCK_S` (left by a start killed while building)."""
+    lock = build_dir / "lock"
+    try:
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            logger.warning("entmtp: removed a stale build lock of a kernel: %s", lock)
+    except OSError:
+        pass
+
+
+class BuiltKernel:
+    """A kernel built once per process and checked once per dtype.
+
+    Args:
+        name: the extension module's name.
+        source: its file in ``kernels/``.
+        unavailable: ``dtype -> why it cannot serve here`` (None: it can be built and tried).
+        self_check: ``dtype -> what differed`` from a reference on random inputs (None: it agrees); called after
+            the build, with :attr:`module` set.
+        fallback: what serves instead, for the log line (``"vLLM's kernel"``).
+    """
+
+    def __init__(self, name: str, source: str, unavailable: Callable[[torch.dtype], str | None],
+                 self_check: Callable[[torch.dtype], str | None], fallback: str):
+        self.name, self.source, self.fallback = name, source, fallback
+        self.unavailable, self.self_check = unavailable, self_check
+        self.module = None
+        self.reason = "not loaded"
+        self.checked: set[torch.dtype] = set()
+
+    def load(self, dtype: torch.dtype) -> bool:
+        """Build (the first time, some 30 s) and check the kernel in ``dtype`` (once per dtype); True when it is
+        ready. A failure logs why, leaves :attr:`module` None and :attr:`reason` saying why."""
+        if self.module is not None and dtype in self.checked:
+            return True
+        reason = self.unavailable(dtype)
+        if reason is None:
+            try:
+                if self.module is None:
+                    self.module = build(self.name, self.source)
+                reason = self.self_check(dtype)
+                if reason is None:
+                    self.checked.add(dtype)
+                else:
+                    self.module = None
+            except Exception as e:  # noqa: BLE001 - the fallback serves instead
+                self.module = None
+                reason = f"the kernel did not build: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        self.reason = reason or ""
+        if reason:
+            logger.info("entmtp: %s only: %s", self.fallback, reason)
+        return reason is None

@@ -137,6 +137,13 @@ class EntMTPConfig(BaseModel):
                     "context once for all its rows, where the CPU has AVX-512 and vLLM's KV layout is 'vec'; "
                     "vLLM's kernel elsewhere and for every request with one row. 'vllm': vLLM's kernel for all.")
 
+    heads_kernel: Literal["auto", "torch"] = Field(
+        default="auto",
+        description="How a level of the Hydra heads over at most 4 paths runs. 'auto' (default): in one call of "
+                    "the plugin's kernel (vllm_entmtp/kernels/hydra_level.cpp, built at start-up with the "
+                    "machine's C++ compiler, checked against a reference) where the CPU has AVX-512 and it timed "
+                    "faster than torch's operators at start-up. 'torch': torch's operators for every level.")
+
     @model_validator(mode="after")
     def _policy_needs_tree_set(self) -> EntMTPConfig:
         if self.policy in ("entropy", "confidence") and self.tree_set is None:

@@ -83,7 +83,8 @@ class BuiltKernel:
 
     def load(self, dtype: torch.dtype) -> bool:
         """Build (the first time, some 30 s) and check the kernel in ``dtype`` (once per dtype); True when it is
-        ready. A failure logs why, leaves :attr:`module` None and :attr:`reason` saying why."""
+        ready. A failure logs why and leaves :attr:`reason` saying why, and :attr:`module` None unless another
+        dtype passed (``load(dtype)`` is then False for this one)."""
         if self.module is not None and dtype in self.checked:
             return True
         reason = self.unavailable(dtype)
@@ -94,10 +95,11 @@ class BuiltKernel:
                 reason = self.self_check(dtype)
                 if reason is None:
                     self.checked.add(dtype)
-                else:
+                elif not self.checked:  # a dtype that passed keeps the module (a drafter may hold it)
                     self.module = None
             except Exception as e:  # noqa: BLE001 - the fallback serves instead
-                self.module = None
+                if not self.checked:
+                    self.module = None
                 reason = f"the kernel did not build: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         self.reason = reason or ""
         if reason:

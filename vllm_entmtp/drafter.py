@@ -107,7 +107,8 @@ class EntMTPProposer(MedusaProposer):
         self.drafter = make_drafter(
             heads, embed=embed, compute_logits=target_model.compute_logits, lm_head_weight=lm_weight,
             confidence_threshold=spec.entmtp.draft_confidence_threshold,
-            measure_kernels=self.tp_size == 1)  # timed per rank, a choice could differ between ranks
+            measure_kernels=self.tp_size == 1,  # timed per rank, a choice could differ between ranks
+            level_kernel=spec.entmtp.heads_kernel == "auto")
         if hasattr(self.drafter, "describe_kernels"):
             logger.info("entmtp: heads' kernels (%s): %s", "fastest measured here" if self.tp_size == 1
                         else "not measured under tensor parallelism", self.drafter.describe_kernels())

@@ -177,8 +177,9 @@ class HydraDrafter:
             the kernel measured fastest on this machine (:class:`~vllm_entmtp.fast_linear.FastLinear`; the
             server's and ``build-trees``' drafter), and levels of at most
             :data:`~vllm_entmtp.hydra_kernel.MAX_ROWS` paths by the plugin's one-call kernel
-            (:mod:`~vllm_entmtp.hydra_kernel`) where it builds and times faster than that; False (default): the
-            heads' own modules, as trained.
+            (:mod:`~vllm_entmtp.hydra_kernel`) where it builds and times faster than that (and ``level_kernel``);
+            False (default): the heads' own modules, as trained.
+        level_kernel: with ``measure_kernels``, whether levels may take the one-call kernel.
     """
 
     #: :meth:`confidence` runs heads along the greedy chain (as many as asked), which a tree may not need: callers
@@ -189,7 +190,7 @@ class HydraDrafter:
 
     def __init__(self, heads: HydraHeads, embed: Callable[[torch.Tensor], torch.Tensor],
                  lm_head_weight: torch.Tensor | None, confidence_threshold: float = 0.0,
-                 measure_kernels: bool = False):
+                 measure_kernels: bool = False, level_kernel: bool = True):
         self.heads = heads
         self.embed = embed
         w = heads.draft_lm_weight(lm_head_weight)
@@ -201,10 +202,14 @@ class HydraDrafter:
         #: kernel (:mod:`~vllm_entmtp.hydra_kernel`), else None
         self.level_weights: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.level_timings: dict[str, float] = {}
+        self.level_kernel_off = ""  # why levels do not take the kernel, where these heads rule it out
         if measure_kernels:
             fused = _fused_blocks(heads)
             self.blocks, self.lm = _fast_hydra_layers(fused, heads, self.w_draft)
-            self.level_weights = self._measure_level_kernel(fused)
+            if level_kernel:
+                self.level_weights = self._measure_level_kernel(fused)
+            else:
+                self.level_kernel_off = "option heads_kernel 'torch'"
 
     def describe_kernels(self) -> str:
         """Which kernel each of the heads' linear layers runs (for the start-up log)."""
@@ -217,18 +222,23 @@ class HydraDrafter:
                     f"torch's operators {t['torch']})")
         if t:
             return f"{out}; levels by torch's operators (one path: {t['torch']}, the plugin's kernel {t['kernel']})"
-        return f"{out}; levels by torch's operators ({hydra_kernel.why_not()})"
+        return f"{out}; levels by torch's operators ({self.level_kernel_off or hydra_kernel.why_not()})"
 
     def _measure_level_kernel(self, fused) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """The fused blocks' weights when the one-call kernel builds here, serves these heads (the target's lm_head
         shared, a hidden size that is a multiple of 16, on the CPU) and takes a level of one path in less time than
-        torch's path (timed once, on the heads' own weights), else None."""
-        if (self.heads.hydra_lm_head is not None or self.w_draft is None or self.w_draft.device.type != "cpu"
-                or self.heads.config.hidden_size % 16):
+        torch's path, else None. Timed once, on the heads' own weights, warm (the weights in the caches); with them
+        cold, as after the target's forward, the kernel's lead was larger (``benchmarks/hydra_level.py``)."""
+        if self.heads.hydra_lm_head is not None or self.w_draft is None:
+            self.level_kernel_off = "the heads have their own lm_heads"
+        elif self.heads.config.hidden_size % 16:
+            self.level_kernel_off = f"hidden size {self.heads.config.hidden_size} (a multiple of 16 only)"
+        elif self.w_draft.device.type != "cpu" or any(w.dtype != self.w_draft.dtype or w.device != self.w_draft.device
+                                                       for w, _, _ in fused):
+            self.level_kernel_off = "the heads' weights are not all on the CPU in one dtype"
+        if self.level_kernel_off or not hydra_kernel.load(self.w_draft.dtype):
             return None
         dtype = self.w_draft.dtype
-        if any(w.dtype != dtype or w.device.type != "cpu" for w, _, _ in fused) or not hydra_kernel.load(dtype):
-            return None
         weights = [(w.contiguous(), b.contiguous()) for w, b, _ in fused]
         hidden = torch.randn(1, self.heads.config.hidden_size, dtype=dtype)
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.w_draft.device)
@@ -495,7 +505,8 @@ def _fast_hydra_layers(fused: list[tuple[torch.Tensor, torch.Tensor, int]], head
 
 def make_drafter(heads: MedusaHeads | HydraHeads, *, embed: Callable[[torch.Tensor], torch.Tensor],
                  lm_head_weight: torch.Tensor | None, compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                 confidence_threshold: float = 0.0, measure_kernels: bool = True) -> MTPDrafter | HydraDrafter:
+                 confidence_threshold: float = 0.0, measure_kernels: bool = True, level_kernel: bool = True
+                 ) -> MTPDrafter | HydraDrafter:
     """The drafter the server runs and ``build-trees`` times: Hydra heads with kernels measured on this machine
     (``measure_kernels``), Medusa heads over the target's ``compute_logits``.
 
@@ -504,8 +515,10 @@ def make_drafter(heads: MedusaHeads | HydraHeads, *, embed: Callable[[torch.Tens
         lm_head_weight: the target's lm_head weight ``[vocab, hidden]``.
         compute_logits: the target's lm_head as a function (Medusa heads).
         measure_kernels: pick each layer's kernel by timing it here (else torch's ``F.linear``).
+        level_kernel: with ``measure_kernels``, let levels of few paths take the one-call kernel where it times
+            faster (option ``heads_kernel`` ``"auto"``).
     """
     if isinstance(heads, HydraHeads):
         return HydraDrafter(heads, embed, lm_head_weight, confidence_threshold=confidence_threshold,
-                            measure_kernels=measure_kernels)
+                            measure_kernels=measure_kernels, level_kernel=level_kernel)
     return MTPDrafter(heads, compute_logits, confidence_threshold=confidence_threshold)

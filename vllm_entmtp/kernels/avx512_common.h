@@ -10,9 +10,21 @@ static inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 static inline float ld1(const float* p) { return *p; }
-static inline float ld1(const uint16_t* p) { uint32_t u = ((uint32_t)*p) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+static inline float ld1(const uint16_t* p) {
+  const uint32_t u = ((uint32_t)*p) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// float32 -> bfloat16 bits, rounded to nearest even as torch rounds (a NaN stays a NaN)
+static inline uint16_t to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
 static inline void st1(float* p, float x) { *p = x; }
-static inline void st1(uint16_t* p, float x) { uint32_t u; std::memcpy(&u, &x, 4); *p = (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16); }
+static inline void st1(uint16_t* p, float x) { *p = to_bf16(x); }
 
 // exp for x <= 0: 2^n * p(r); inputs below -87.3 (-inf included) give about 1e-38, masked out by the caller
 static inline __m512 exp512(__m512 x) {

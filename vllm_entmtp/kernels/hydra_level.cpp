@@ -2,8 +2,10 @@
 // maps fused into one [2H, (P+1)H] weight, R x + b_R | W x + b_W, then R x + b_R + SiLU(W x + b_W)) on
 // x = [h ; e(y_1) ; ... ; e(y_P)], the draft lm_head, then each path's top-k draft tokens and, when asked, the top-1
 // probability (softmax over the draft vocabulary). The arithmetic of torch's layers on the same weights, in another
-// order and in float32 throughout (bfloat16 values are widened as they are read): a draft token can differ at a
-// near-tie, the output never (verification decides).
+// order and in float32 (bfloat16 values are widened as they are read; the head's hidden state is rounded to the
+// dtype before the lm_head, as in torch's path, but the block's output and the logits are not, where torch's
+// bfloat16 path rounds them and so ties more logits): a draft token can differ at a near-tie, the output never
+// (verification decides).
 //
 // Why one call: right after the target's forward a torch operator's first call costs tens of microseconds (its code
 // is out of the caches), and a level took about ten of them around its two matrix products. The products read each
@@ -22,8 +24,7 @@
 
 #include "avx512_common.h"
 
-// Rows ahead whose weights are prefetched while a group of 4 is multiplied (a prefetch past the weight's end is
-// harmless: prefetches do not fault).
+// Rows ahead whose weights are prefetched while a group of 4 is multiplied (up to the last of the thread's rows).
 constexpr int PREFETCH_ROWS = 8;
 
 // Y[n, r] = W[r, :] . X[n, :] (+ bias[r]) for rows r in [r0, r1) and NR inputs; `in` a multiple of 16.
@@ -36,11 +37,13 @@ static void rows_times(const T* W, int64_t in, const float* X, const T* bias, fl
     for (int i = 0; i < 4; ++i)
       for (int n = 0; n < NR; ++n) acc[i][n] = _mm512_setzero_ps();
     const T* w0 = W + r * in;
+    const T* wp[4];  // the rows PREFETCH_ROWS ahead, within this thread's rows
+    for (int i = 0; i < 4; ++i) wp[i] = W + std::min(r + i + PREFETCH_ROWS, r1 - 1) * in;
     for (int64_t j = 0; j < in; j += 16) {
       __m512 x[NR];
       for (int n = 0; n < NR; ++n) x[n] = _mm512_loadu_ps(X + n * in + j);
       for (int i = 0; i < 4; ++i) {
-        if ((j & 31) == 0) _mm_prefetch((const char*)(w0 + (i + PREFETCH_ROWS) * in + j), _MM_HINT_T0);
+        if (sizeof(T) == 4 || (j & 31) == 0) _mm_prefetch((const char*)(wp[i] + j), _MM_HINT_T0);
         const __m512 w = load16(w0 + i * in + j);
         for (int n = 0; n < NR; ++n) acc[i][n] = _mm512_fmadd_ps(w, x[n], acc[i][n]);
       }
@@ -75,12 +78,14 @@ __attribute__((target("avx512f,avx512bf16"))) static void rows_times_dp(const ui
     for (int i = 0; i < 4; ++i)
       for (int n = 0; n < NR; ++n) acc[i][n] = _mm512_setzero_ps();
     const uint16_t* w0 = W + r * in;
+    const uint16_t* wp[4];  // the rows PREFETCH_ROWS ahead, within this thread's rows
+    for (int i = 0; i < 4; ++i) wp[i] = W + std::min(r + i + PREFETCH_ROWS, r1 - 1) * in;
     if (rows == 4) {
       for (int64_t j = 0; j < in; j += 32) {
         __m512bh x[NR];
         for (int n = 0; n < NR; ++n) x[n] = (__m512bh)_mm512_loadu_si512(Xb + n * in + j);
         for (int i = 0; i < 4; ++i) {
-          _mm_prefetch((const char*)(w0 + (i + PREFETCH_ROWS) * in + j), _MM_HINT_T0);
+          _mm_prefetch((const char*)(wp[i] + j), _MM_HINT_T0);
           const __m512bh w = (__m512bh)_mm512_loadu_si512(w0 + i * in + j);
           for (int n = 0; n < NR; ++n) acc[i][n] = _mm512_dpbf16_ps(acc[i][n], w, x[n]);
         }
@@ -103,12 +108,6 @@ __attribute__((target("avx512f,avx512bf16"))) static void rows_times_dp(const ui
 static bool has_avx512_bf16() {
   static const bool yes = __builtin_cpu_supports("avx512bf16");
   return yes;
-}
-
-static inline uint16_t to_bf16(float x) {  // round to nearest even, as torch rounds
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
 // Y [N, out] = X [N, in] W^T (+ bias) for N in 1..4, blocks of 16 rows over torch's threads.
@@ -233,7 +232,8 @@ Result hydra_level(torch::Tensor hidden, torch::Tensor path_emb, torch::Tensor w
   const int64_t* ids = nullptr;
   if (token_ids.numel()) {
     TORCH_CHECK(token_ids.scalar_type() == torch::kInt64 && token_ids.is_contiguous() && token_ids.dim() == 1
-                && token_ids.size(0) == w_lm.size(0), "token_ids: [DV] int64, contiguous");
+                && token_ids.size(0) == w_lm.size(0) && token_ids.device().is_cpu(),
+                "token_ids: [DV] int64, contiguous, on the CPU");
     ids = token_ids.data_ptr<int64_t>();
   }
   if (dt == torch::kFloat32) return level_impl<float>(hidden, path_emb, w_block, b_block, w_lm, ids, topk, probs);
@@ -241,5 +241,6 @@ Result hydra_level(torch::Tensor hidden, torch::Tensor path_emb, torch::Tensor w
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("hydra_level", &hydra_level, "one level of Hydra heads for at most 4 paths: top-k token ids, top-1 probability");
+  m.def("hydra_level", &hydra_level,
+        "one level of Hydra heads for at most 4 paths: top-k token ids, top-1 probability");
 }

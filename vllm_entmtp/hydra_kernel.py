@@ -6,8 +6,8 @@ call costs tens of microseconds, its code being out of the caches. The kernel ru
 products (each weight row read once for all paths, rows over torch's threads), SiLU and the residual, the top-k, the
 top-1 probability. :class:`~vllm_entmtp.proposer.HydraDrafter` uses it for levels of at most :data:`MAX_ROWS` paths
 where it builds, passes :func:`self_check`, and timed faster than torch's path at start-up; other levels (more
-paths: oneDNN's products win there), and all with option ``heads_kernel`` ``"torch"``, run torch's path. ``benchmarks/hydra_level.py`` times both with the weights
-out of the caches, as after the target's forward.
+paths: oneDNN's products win there), and all with option ``heads_kernel`` ``"torch"``, run torch's path.
+``benchmarks/hydra_level.py`` times both with the weights out of the caches, as after the target's forward.
 
 Its draft tokens are those of torch's path up to rounding: float32 sums in another order, bfloat16 values widened
 as read, and in bfloat16 the block's output and the logits kept in float32 where torch's path rounds them (and so

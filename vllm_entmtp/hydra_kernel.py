@@ -15,18 +15,15 @@ ties more logits); a draft token can differ at a near-tie, the output never (ver
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from vllm_entmtp import cpp_build
-
-logger = logging.getLogger("vllm.entmtp")
 
 NAME = "entmtp_hydra_level"
 SOURCE = "hydra_level.cpp"
 #: Levels of at most this many paths can take the kernel.
 MAX_ROWS = 4
+_ALL_COLUMNS = torch.empty(0, dtype=torch.long)  # token_ids of a draft vocabulary that is the whole vocabulary
 
 
 def why_not() -> str:
@@ -54,7 +51,7 @@ def level(hidden: torch.Tensor, path_emb: torch.Tensor, w_block: torch.Tensor, b
     ``b_block [2H]``, the draft lm_head ``w_lm [DV, H]`` and its token ids ``[DV]`` (None: column = token id) ->
     (``N`` lists of the top-``topk`` token ids, best first; ``N`` top-1 probabilities, or None when not
     ``probs``). All tensors contiguous, on the CPU, in one dtype (float32 or bfloat16)."""
-    ids = token_ids if token_ids is not None else torch.empty(0, dtype=torch.long)
+    ids = token_ids if token_ids is not None else _ALL_COLUMNS
     toks, p1 = KERNEL.module.hydra_level(hidden, path_emb, w_block, b_block, w_lm, ids, topk, probs)
     return toks, (p1 if probs else None)
 

@@ -20,14 +20,11 @@ random float32 batches within 2.4e-7 of outputs of order 1; the start-up check a
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
 from vllm_entmtp import cpp_build
-
-logger = logging.getLogger("vllm.entmtp")  # through vLLM's configured logger, as the drafter's lines
 
 #: Requests with at most this many query rows take the kernel (a chain of 15 draft tokens and its root).
 MAX_ROWS = 16

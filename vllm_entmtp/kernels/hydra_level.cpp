@@ -110,7 +110,22 @@ static bool has_avx512_bf16() {
   return yes;
 }
 
-// Y [N, out] = X [N, in] W^T (+ bias) for N in 1..4, blocks of 16 rows over torch's threads.
+// f(std::integral_constant<int, N>{}, r0, r1) for N in 1..4 over the row blocks [r0, r1) of 16 rows of `out`,
+// the blocks split over torch's threads.
+template <typename F>
+static void over_row_blocks(int64_t out, int64_t N, const F& f) {
+  at::parallel_for(0, (out + 15) / 16, 8, [&](int64_t b0, int64_t b1) {
+    const int64_t r0 = b0 * 16, r1 = std::min(out, b1 * 16);
+    switch (N) {
+      case 1: f(std::integral_constant<int, 1>{}, r0, r1); break;
+      case 2: f(std::integral_constant<int, 2>{}, r0, r1); break;
+      case 3: f(std::integral_constant<int, 3>{}, r0, r1); break;
+      default: f(std::integral_constant<int, 4>{}, r0, r1); break;
+    }
+  });
+}
+
+// Y [N, out] = X [N, in] W^T (+ bias) for N in 1..4.
 template <typename T>
 static void matmul_small(const T* W, int64_t out, int64_t in, const float* X, int64_t N, const T* bias, float* Y) {
   if constexpr (std::is_same_v<T, uint16_t>) {
@@ -119,26 +134,14 @@ static void matmul_small(const T* W, int64_t out, int64_t in, const float* X, in
       xb.resize(N * in);
       for (int64_t i = 0; i < N * in; ++i) xb[i] = to_bf16(X[i]);
       const uint16_t* xp = xb.data();  // xb is this thread's: the workers read it through the pointer
-      at::parallel_for(0, (out + 15) / 16, 8, [&](int64_t b0, int64_t b1) {
-        const int64_t r0 = b0 * 16, r1 = std::min(out, b1 * 16);
-        switch (N) {
-          case 1: rows_times_dp<1>(W, in, xp, bias, Y, out, r0, r1); break;
-          case 2: rows_times_dp<2>(W, in, xp, bias, Y, out, r0, r1); break;
-          case 3: rows_times_dp<3>(W, in, xp, bias, Y, out, r0, r1); break;
-          default: rows_times_dp<4>(W, in, xp, bias, Y, out, r0, r1); break;
-        }
+      over_row_blocks(out, N, [&](auto nr, int64_t r0, int64_t r1) {
+        rows_times_dp<decltype(nr)::value>(W, in, xp, bias, Y, out, r0, r1);
       });
       return;
     }
   }
-  at::parallel_for(0, (out + 15) / 16, 8, [&](int64_t b0, int64_t b1) {
-    const int64_t r0 = b0 * 16, r1 = std::min(out, b1 * 16);
-    switch (N) {
-      case 1: rows_times<1>(W, in, X, bias, Y, out, r0, r1); break;
-      case 2: rows_times<2>(W, in, X, bias, Y, out, r0, r1); break;
-      case 3: rows_times<3>(W, in, X, bias, Y, out, r0, r1); break;
-      default: rows_times<4>(W, in, X, bias, Y, out, r0, r1); break;
-    }
+  over_row_blocks(out, N, [&](auto nr, int64_t r0, int64_t r1) {
+    rows_times<decltype(nr)::value>(W, in, X, bias, Y, out, r0, r1);
   });
 }
 

@@ -13,7 +13,8 @@ A line holds the step's start (``t``, ``time.perf_counter`` seconds), its reques
 (``tokens``), requests new to the engine (``new``) and draft tokens verified (``spec``); and, from the drafter's
 call that ended the step before (it proposed the drafts this step verifies), its batch size (``n``), whether the
 batch drained (``draining``, :class:`~vllm_entmtp.step_costs.Refills`), the load rule's answers in that call, in
-call order (``probe``: ``StepCosts.needs_probe``, ``reference``: ``needs_reference``, ``loses``: ``drafting_loses``,
+call order (``probe``: ``StepCosts.needs_probe``, ``reference``: ``needs_reference``, ``loses``: ``drafting_loses``
+(the heads'; prompt lookup's own verdict, ``drafting_loses(source="lookup")``, as ``lookup_loses``),
 ``explore``: ``needs_exploration``, ``pays``: ``TreeScheduler.drafting_pays``), the requests that drafted and their
 draft tokens (``drafted``, ``draft_tokens``) and those from prompt lookup (``lookup_tokens``), whether the heads
 ran, the requests (ids) the schedule's choice ran for and those that drafted from the heads (``heads_rows``,
@@ -59,7 +60,9 @@ class LoadTrace:
 
         def wrapped(*args, **kwargs):
             out = orig(*args, **kwargs)
-            call.setdefault(name, []).append(bool(out))
+            # drafting_loses(n, source="lookup"): prompt lookup's own verdict, recorded apart ("lookup_loses")
+            source = kwargs.get("source", "heads")
+            call.setdefault(name if source == "heads" else f"{source}_{name}", []).append(bool(out))
             return out
 
         setattr(obj, method, wrapped)
@@ -159,7 +162,7 @@ def summarize(level: list[dict]) -> dict:
                 c["draft_tokens"] += a["spec"]
                 c["lookup_tokens"] += a.get("lookup_tokens", 0)
                 c["accepted"] += b.get("accepted", 0)
-            for name in (*COSTS_CALLS.values(), *SCHEDULER_CALLS.values()):
+            for name in (*COSTS_CALLS.values(), "lookup_loses", *SCHEDULER_CALLS.values()):
                 c[name] += sum(b.get(name, ()))
     return {"steps": len(level), "seconds": level[-1]["t"] - level[0]["t"],
             "by_batch": {n: dict(c) for n, c in sorted(by_batch.items(), reverse=True)}, "draining": dict(drain)}
@@ -194,7 +197,8 @@ def _row(label, c: dict) -> str:
              f"{c.get('drafted_steps', 0):.0f}", f"{ms('drafted'):.1f}",
              *(f"{per_drafted(k):.1f}" for k in ("draft_tokens", "lookup_tokens", "accepted")),
              f"{c.get('plain_steps', 0):.0f}",
-             f"{ms('plain'):.1f}", *(f"{c.get(k, 0):.0f}" for k in ("loses", "pays", "probe", "explore"))]
+             f"{ms('plain'):.1f}",
+             *(f"{c.get(k, 0):.0f}" for k in ("loses", "lookup_loses", "pays", "probe", "explore"))]
     return "| " + " | ".join(str(x) for x in cells) + " |"
 
 
@@ -203,8 +207,8 @@ def report(paths: list[str], min_steps: int = 20, drafter_at: int | None = None)
     with ``drafter_at``, also that batch size's decode steps by what the drafter did at their end
     (:func:`by_drafter`)."""
     head = ("| requests | steps | s | prompt steps | drafted | ms | draft tokens | of lookup | accepted | plain | ms | "
-            "loses | pays | probes | explores |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-            "---:|")
+            "loses | lookup loses | pays | probes | explores |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            "---:|---:|---:|---:|---:|")
     out = []
     for path in paths:
         for i, level in enumerate(lv for lv in levels(read(path)) if len(lv) >= min_steps):

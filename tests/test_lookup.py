@@ -7,7 +7,7 @@ import torch
 
 from vllm_entmtp.lookup import PromptLookup, expected_chain_accepted
 from vllm_entmtp.scheduler import TreeScheduler
-from vllm_entmtp.step_costs import StepCosts
+from vllm_entmtp.step_costs import STEP_KINDS, StepCosts
 from vllm_entmtp.trees import load_tree_set
 
 
@@ -394,8 +394,43 @@ def test_a_draining_batchs_valued_steps_stay_out_of_the_realised_comparison():
         drafts = _draft_step(d, rids, [[11, 99]] + [[5]] * (n - 1) if draining else [[5]] * n, spec=spec)
         assert not d._valued
         _draft_step(d, rids, [[5]] * n, spec=sum(len(x) for x in drafts))
-        recorded = sum(costs._seen.get((f"step-{drafted}", n), 0) for drafted in (True, False))  # first included
+        recorded = sum(costs._seen.get((f"step-{kind}", n), 0) for kind in STEP_KINDS)  # first included
         assert recorded == (1 if draining else 3), draining
+
+
+def test_a_loss_of_the_heads_drafts_leaves_prompt_lookup_to_its_own_verdict():
+    """Where the steps that verified the heads' drafts lost the realised comparison, the heads do not run, but prompt
+    lookup still searches and drafts (here its chains, always accepted, pay by the costs: 2 ms a draft row against
+    3 ms a plain token at 16); the steps that verify its drafts alone enter the comparison as lookup's
+    (``draft_step``), and once those lose too, nothing is drafted. Served at 32 running on ShareGPT (2026-12-06),
+    one verdict for both had stopped lookup drafts that were mostly accepted."""
+    from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING
+
+    n = 16
+    d, costs, rids = _draining_drafter(n, draining=False, resting=True, others_out=0)
+    d.spec_config.entmtp.draft_sources = "hybrid"
+    for r in rids:  # a record of lookup drafts accepted whole
+        for _ in range(4):
+            d.lookup.observe(r, 4, 4)
+    assert costs.drafting_loses(n) and not costs.drafting_loses(n, source="lookup")
+    chosen, drafts = d._propose_scheduled(None, None, rids, [4] * n, [True] * n)
+    assert not d.heads_ran and any(drafts)  # (cut to the rows the step's cap leaves)
+    assert all(t == "lookup" and x == [11, 12, 13, 14][:len(x)] for (t, _), x in zip(chosen, drafts) if x)
+    # the steps that verify them (every draft token accepted) are judged as lookup's
+    drafts = _draft_step(d, rids, [[5]] * n, spec=0)
+    for _ in range(COMPARE_MIN_DRAFTING + 1):
+        spec = sum(len(x) for x in drafts)
+        assert spec and d._proposed_sources == {"lookup"}
+        drafts = _draft_step(d, rids, [[*x, 99] for x in drafts], spec=spec)
+    lookup_rates = costs.step_rates(n, source="lookup")
+    assert lookup_rates is not None and lookup_rates[0] > lookup_rates[1]
+    assert costs.drafting_loses(n) and not costs.drafting_loses(n, source="lookup")
+    # lookup's own steps now lose: nothing is drafted, neither from lookup nor from the heads
+    for _ in range(2 * COMPARE_MIN_DRAFTING):
+        costs.record_step(n, n, 0.150, True, source="lookup")
+    assert costs.drafting_loses(n, source="lookup")
+    _, drafts = d._propose_scheduled(None, None, rids, [4] * n, [True] * n)
+    assert drafts == [[]] * n and not d.heads_ran
 
 
 def test_a_cut_lookup_draft_is_scored_at_the_length_it_was_drafted():

@@ -724,6 +724,36 @@ def test_drafting_rests_on_a_tie_of_the_realised_comparison():
     assert not c.drafting_loses(16)
 
 
+def test_the_realised_comparison_judges_prompt_lookups_drafts_apart_from_the_heads():
+    """Steps that verified prompt lookup's drafts alone and steps that verified some of the heads' are compared with
+    the steps without drafts apart (``source``): served at 32 running on ShareGPT, the heads' one-token drafts lost
+    at 30 requests while lookup's, mostly accepted, had won at 31, and one verdict for both had stopped both."""
+    from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, COMPARE_MIN_PLAIN, StepCosts
+
+    c = StepCosts()
+    for _ in range(COMPARE_MIN_PLAIN + 1):  # (a key's first observation is dropped)
+        c.record_step(30, 30, 0.100, drafted=False)  # 300 tokens/s
+    for _ in range(COMPARE_MIN_DRAFTING + 1):
+        c.record_step(30, 42, 0.155, drafted=True)  # 271 tokens/s: the heads' drafts, 12 accepted
+    assert c.drafting_loses(30) and c.drafting_loses(31, source="heads")
+    assert c.step_rates(30, source="lookup") is None and not c.drafting_loses(30, source="lookup")
+    for _ in range(COMPARE_MIN_DRAFTING + 1):
+        c.record_step(30, 55, 0.140, drafted=True, source="lookup")  # 393 tokens/s: lookup's drafts, 25 accepted
+    assert c.step_rates(31, source="lookup") == pytest.approx((392.86, 300.0), rel=1e-3)
+    assert not c.drafting_loses(30, source="lookup") and c.drafting_loses(30)  # each source by its own steps
+    summary = c.summary()
+    assert summary["step_rates"] == {30: [pytest.approx(271.0, abs=0.1), 300.0]}
+    assert summary["lookup_step_rates"] == {30: [pytest.approx(392.9, abs=0.1), 300.0]}
+    assert "30: 271/300 (rests), 30 (lookup alone): 393/300;" in c.describe()
+    # lookup's drafted steps alone ask for steps without drafts to be compared with, as the heads' do
+    fresh = StepCosts()
+    for _ in range(COMPARE_MIN_DRAFTING + 1):
+        fresh.record_step(16, 24, 0.050, drafted=True, source="lookup")
+    assert fresh.needs_reference(16)
+    with pytest.raises(ValueError, match="source"):
+        c.record_step(30, 30, 0.100, drafted=True, source="medusa")
+
+
 def test_a_batch_drains_once_a_finished_request_is_not_replaced():
     """Refills: a finished request followed by an arrival within REFILL_WAIT steps is steady load; REFILL_WAIT steps
     without one, the batch drains until a request arrives; a batch that starts from empty (or has had no finish
@@ -1025,7 +1055,7 @@ def test_a_verdict_that_drafting_loses_lapses_once_the_requests_it_judged_have_f
     assert c.drafting_loses(4)
     c.tick(finished=1)  # four finished since the drafted steps at 4: the plain ones are kept
     assert c.step_rates(4) is None and not c.drafting_loses(4)
-    assert len(c._steps[False][4]) == COMPARE_MIN_PLAIN
+    assert len(c._steps["none"][4]) == COMPARE_MIN_PLAIN
     for _ in range(COMPARE_MIN_DRAFTING):  # the text now running at 4: drafted steps after those finishes stay
         c.tick()
         c.record_step(4, 8, 0.013, drafted=True)

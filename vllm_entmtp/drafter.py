@@ -86,6 +86,7 @@ class EntMTPProposer(MedusaProposer):
     _draft_fell_back = False  # this step's drafts were made request by request after the batch's call failed
     _proposed_free = True  # the last drafts proposed: no request of that step was held to a tree
     _valued = False  # the last drafts proposed: weighed by StepCosts.token_value (a draining batch, requests ahead)
+    _proposed_sources: frozenset = frozenset()  # the last drafts proposed: their sources ("heads", "lookup")
     _heads_nodes: tuple[int, int] | None = None  # this step: the heads' draft nodes, and all draft nodes
     _heads_exploring = False  # this step's drafts explore (StepCosts.needs_exploration): not the rule's own choice
     # last step that ran the heads: (batch size, seconds they added, whether its yield is not kept: it explored or
@@ -420,6 +421,7 @@ class EntMTPProposer(MedusaProposer):
 
     def _propose(self, req_ids, num_speculative_tokens, target_hidden_states, active, bonus):
         n = target_hidden_states.shape[0]
+        self._proposed_sources = frozenset()  # set below once the drafts are known (a fault on the way: none)
         budgets = self._request_budgets(num_speculative_tokens, req_ids)
         if active is not None:
             budgets = [b if a else 0 for b, a in zip(budgets, active)]
@@ -438,9 +440,11 @@ class EntMTPProposer(MedusaProposer):
                 self.pending.pop(req_id, None)
         if len({len(d) for d, live in zip(drafts, active or [True] * n) if d and live}) > 1:
             self.tree_stats.mixed_length_steps += 1
+        self._proposed_sources = frozenset("lookup" if t == LOOKUP_ID else "heads"
+                                           for (t, _), d, live in zip(chosen, drafts, active or [True] * n)
+                                           if d and live)
         if self.lookup is not None:
-            self.tree_stats.record_step_sources({"lookup" if t == LOOKUP_ID else "heads"
-                                                 for (t, _), d in zip(chosen, drafts) if d})
+            self.tree_stats.record_step_sources(set(self._proposed_sources))
         if self.scheduler is not None:  # the signal behind each draft; its acceptance comes next step
             for req_id, (tree_id, _), toks, (ent, conf) in zip(req_ids, chosen, drafts, self._choice_signals):
                 if toks:
@@ -453,10 +457,10 @@ class EntMTPProposer(MedusaProposer):
         """EntMTP: update each request's signals, let the scheduler pick its tree, draft it. Under the measured
         load policy, a step that probes the plain step's cost (or gives the realised comparison a recent step
         without drafts: :meth:`~vllm_entmtp.step_costs.StepCosts.needs_reference`), or in which no draft can pay
-        at this batch size
-        (or where steps that verified drafts have emitted fewer tokens per second than steps that verified none:
-        :meth:`~vllm_entmtp.step_costs.StepCosts.drafting_loses`; then prompt lookup does not search either),
-        drafts nothing and runs no head (unless a request holds itself to a tree; and every
+        at this batch size (or where steps that verified the heads' drafts have emitted fewer tokens per second
+        than steps that verified none: :meth:`~vllm_entmtp.step_costs.StepCosts.drafting_loses`; there prompt
+        lookup still searches unless the steps with its drafts alone lose too), drafts nothing from the heads and
+        runs no head (unless a request holds itself to a tree; and every
         :data:`~vllm_entmtp.step_costs.PROBE_EVERY` steps that do not pay, or every
         :data:`~vllm_entmtp.step_costs.EXPLORE_UNMEASURED_EVERY` while no step of more rows than the batch is
         measured, drafting is measured again: the schedule drafts under the exploring budget,
@@ -495,20 +499,23 @@ class EntMTPProposer(MedusaProposer):
         self._valued = value is not None
         # a plain step of this many rows is not measured, or the realised comparison lacks recent steps without drafts
         probe = costs is not None and free and (costs.needs_probe(n) or (value is None and costs.needs_reference(n)))
-        # where the steps that verified drafts have not emitted COMPARE_MARGIN more tokens per second than those that
-        # verified none, nothing is drafted (no lookup search, no head), but now and then the schedule explores
-        # (needs_exploration); not while the batch drains with some requests ahead, where tokens per second of the
-        # whole batch are not what a draft is for
-        resting = costs is not None and free and not probe and value is None and costs.drafting_loses(n)
+        # where the steps that verified the heads' drafts have not emitted COMPARE_MARGIN more tokens per second than
+        # those that verified none, the heads do not run, but now and then the schedule explores (needs_exploration);
+        # prompt lookup searches there unless the steps with its drafts alone lose too (StepCosts.DRAFT_SOURCES); not
+        # while the batch drains with some requests ahead, where tokens per second of the whole batch are not what a
+        # draft is for
+        heads_only_lookup = self.spec_config.entmtp.draft_sources == "lookup"  # (the name: "only from lookup")
+        resting = costs is not None and free and not probe and value is None and costs.drafting_loses(
+            n, source="lookup" if heads_only_lookup else "heads")
         explore = resting and costs.needs_exploration(n)  # drafting is measured again (StepCosts)
         asked = resting  # whether this step was counted towards exploring (needs_exploration)
         rest = resting and not explore
+        lookup_rests = rest and (heads_only_lookup or costs.drafting_loses(n, source="lookup"))
         budget = self.scheduler.node_budget(n)  # draft nodes of the step in all, heads' and lookup's (None: no cap)
         # under the measured rule, prompt lookup searches less at a batch size where its drafts keep being declined
-        search = not (probe or rest or self.lookup is None or budget == 0) and (
+        search = not (probe or lookup_rests or self.lookup is None or budget == 0) and (
             costs is None or not free or value is not None or self.lookup_rests.searches(n))
         lookups = self._lookup_drafts(req_ids, budgets, active, forced) if search else {}
-        heads_only_lookup = self.spec_config.entmtp.draft_sources == "lookup"
         # lookup drafts no heads' draft could beat, whole (fit_lookup may cut them where their rows do not pay: the
         # nodes kept from the heads' budget for their whole chains then go unused this step)
         sure = {i for i, toks in lookups.items()
@@ -710,6 +717,8 @@ class EntMTPProposer(MedusaProposer):
             hidden = prefix_layer_hidden(self.runner, hidden_states, sampled_token_ids, spec_decode_metadata)
         # the drafts this step verified were proposed last step
         verified_free, verified_valued = self._proposed_free, self._valued
+        # the realised comparison judges prompt lookup's drafts alone apart from the heads' (StepCosts.record_step)
+        verified_source = "lookup" if self._proposed_sources == {"lookup"} else "heads"
         drafts = self.propose(scheduler_output.num_spec_tokens_to_schedule, hidden, None, active=active,
                               bonus=bonus)
         costs = self.step_costs
@@ -728,7 +737,7 @@ class EntMTPProposer(MedusaProposer):
         if (costs is not None and STEP.decode_rows and verified_free and self._proposed_free and not verified_valued
                 and not self._valued):
             costs.record_step(n, sum(len(t) for t in sampled_token_ids), time.perf_counter() - STEP.rows_clock,
-                              drafted=STEP.decode_rows > n)
+                              drafted=STEP.decode_rows > n, source=verified_source)
         if costs is not None and time.monotonic() >= self._next_costs_log and costs.compared():
             self._next_costs_log = time.monotonic() + COSTS_LOG_INTERVAL_S
             logger.info("entmtp: load: %s%s", costs.describe(), "" if self.lookup_rests is None

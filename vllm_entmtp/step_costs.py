@@ -52,28 +52,30 @@ step's whole fixed part). The heads then run only in the exploring steps above, 
 draft for every request, not as the rule would), until the low yield has aged out: the yield is judged over the
 heads' steps among the last :data:`YIELD_MAX_AGE` engine steps, so that a stretch of text which the heads
 predicted badly does not keep them off for good (then :data:`YIELD_MIN_STEPS` steps of the heads judge the yield
-again). The realised comparison counts a step as drafted whatever its drafts' source, so where prompt lookup's
-drafts win on their own it lets the heads run again, until their steps bring the drafted steps' rate under the
-plain steps' (then nothing drafts there until the verdict ages).
+again). The realised comparison below judges the heads by the steps that verified their drafts, not by those of
+prompt lookup's drafts alone (:data:`DRAFT_SOURCES`).
 
 The realised comparison, over all of the above: the rules price draft rows and drafting from the rows' curve
 and the calibration, which miss costs that depend on the workload (each draft row attends to its request's whole
 context, so on long chat prompts it costs far more than on short code prompts) and overrate acceptance where the
 text is not like the calibration's. :meth:`StepCosts.record_step` keeps, per batch size, what each decode step
 emitted (one token per request plus its accepted draft tokens) and took (from its inputs to the end of its
-drafting), apart for steps that verified draft tokens and steps that verified none (not the steps in which a
-request held itself to a tree), among the last :data:`STEP_RATE_MAX_AGE` engine steps (a drafted step also leaves
-once as many requests as its batch size have finished since: :meth:`StepCosts.tick`); where the former have not
-emitted :data:`COMPARE_MARGIN` more tokens per second (:meth:`StepCosts.drafting_loses`; a tie costs what single
-steps do not show), the drafter drafts nothing at that batch size,
-runs neither prompt lookup nor the heads, and explores as above (2026-12-02, served, ShareGPT, 16 running,
-bfloat16: entmtp ran 0.78-0.92x plain decoding while drafting in a quarter of the request-steps). Both sides of
+drafting), apart for steps that verified draft tokens some of which came from the heads, steps that verified
+prompt lookup's drafts alone, and steps that verified none (not the steps in which a request held itself to a
+tree), among the last :data:`STEP_RATE_MAX_AGE` engine steps (a drafted step also leaves once as many requests as
+its batch size have finished since: :meth:`StepCosts.tick`); where the steps with the heads' drafts have not
+emitted :data:`COMPARE_MARGIN` more tokens per second than those without (:meth:`StepCosts.drafting_loses`; a tie
+costs what single steps do not show), the heads do not run at that batch size and explore as above (2026-12-02,
+served, ShareGPT, 16 running, bfloat16: entmtp ran 0.78-0.92x plain decoding while drafting in a quarter of the
+request-steps); prompt lookup still drafts there unless the steps with its drafts alone lose the same comparison
+(``source="lookup"``), as its drafts cost no head and on chat are accepted far more often under load
+(:data:`DRAFT_SOURCES`). Both sides of
 the comparison must come from the text now running: where drafted steps near a batch size are recent enough to
 compare but steps without drafts are not, the drafter drafts nothing in the next steps of that batch size until
 they are (:meth:`StepCosts.needs_reference`; otherwise drafting goes on unjudged wherever the steps have drafted
-since their last plain step). A batch size
-with no comparison of its own takes the loss of the largest smaller batch size that has one: drafting only gets
-dearer as the batch grows, so it is not tried afresh there (it is still explored).
+since their last plain step). A batch size with no comparison of its own takes the loss of the largest smaller
+batch size that has one (per source): drafting only gets dearer as the batch grows, so it is not tried afresh
+there (it is still explored).
 
 While the batch drains (requests finish and none arrive: the end of a burst, or a benchmark's level of as many
 requests as run at once; :class:`Refills`), a batch's time is the steps of its last request to finish plus a row
@@ -130,6 +132,17 @@ COMPARE_MIN_PLAIN = 4
 #: without (359 against 365 tokens/s), the decode steps took 11.5 s against plain decoding's 11.6 s, and the steps
 #: with prompt tokens 4.9 s against 4.1 s (13 steps against 4): the level ran 0.96x.
 COMPARE_MARGIN = 0.05
+#: Where the drafts a decode step verified came from, for the realised comparison (:meth:`StepCosts.record_step`):
+#: ``"heads"``, some from the heads; ``"lookup"``, all from prompt lookup. The two are compared with the steps
+#: without drafts apart. Served at 32 running on ShareGPT (2026-12-06, AMX Xeon, bfloat16, answers of up to 256
+#: tokens; ``benchmarks/results/served-amx-2026-12-06/``, trace ``t42b-6107``), the steps at 30 requests that
+#: verified the heads' drafts alone (28 draft tokens a step, 12 accepted) emitted 273 tokens/s against 297 for
+#: steps without drafts, and that verdict, read by the batch sizes around it, stopped every draft from 29 to 26
+#: requests, prompt lookup's too, whose drafts had made the steps at 31 requests (25 of their 31 draft tokens from
+#: lookup, 24 accepted) emit 396 tokens/s against 307 without.
+DRAFT_SOURCES = ("heads", "lookup")
+#: The realised comparison's kinds of decode steps: by the source of their drafts, and ``"none"`` (no drafts).
+STEP_KINDS = (*DRAFT_SOURCES, "none")
 #: Steps in which the heads ran that it takes to judge a batch size's yield (of those of the last
 #: :data:`YIELD_MAX_AGE` steps).
 YIELD_MIN_STEPS = 8
@@ -297,7 +310,8 @@ class StepCosts:
         self._since_draft: dict[int, int] = {}  # steps of a batch size in which no draft paid, since it explored
         self._explored: dict[int, int] = {}  # exploring steps per batch size
         self._yield: dict[int, deque] = {}  # per batch size: (accepted heads tokens, extra seconds) a heads step
-        self._steps: dict[bool, dict[int, deque]] = {True: {}, False: {}}  # drafts verified? -> B -> (tokens, s)
+        # the decode steps by the drafts they verified (:data:`STEP_KINDS`) -> B -> (tokens, s, clock, finished)
+        self._steps: dict[str, dict[int, deque]] = {k: {} for k in STEP_KINDS}
         self._seen: dict[tuple[str, int], int] = {}  # observations so far per (kind, key)
         self._clock = 0  # engine steps in which the drafter ran (tick): the yield and the decode steps age by it
         self._finished = 0  # requests finished so far (tick): the drafted decode steps also age by it
@@ -361,12 +375,17 @@ class StepCosts:
         if batch_size >= 1 and seconds > 0 and not exploring:
             self._add(self._yield, "yield", batch_size, (float(accepted), seconds, self._clock), YIELD_MAX_AGE + 1)
 
-    def record_step(self, batch_size: int, tokens: int, seconds: float, drafted: bool) -> None:
+    def record_step(self, batch_size: int, tokens: int, seconds: float, drafted: bool,
+                    source: str = "heads") -> None:
         """A decode step of ``batch_size`` requests emitted ``tokens`` (one per request plus the accepted draft
         tokens) in ``seconds`` (from its inputs to the end of its drafting); ``drafted``: it verified draft
-        tokens."""
+        tokens, ``source`` (:data:`DRAFT_SOURCES`) where they came from: ``"lookup"`` where all of them came from
+        prompt lookup, ``"heads"`` where some came from the heads."""
+        if source not in DRAFT_SOURCES:
+            raise ValueError(f"source must be one of {DRAFT_SOURCES}, got {source!r}")
         if batch_size >= 1 and seconds > 0:
-            self._add(self._steps[drafted], f"step-{drafted}", batch_size,
+            kind = source if drafted else "none"
+            self._add(self._steps[kind], f"step-{kind}", batch_size,
                       (float(tokens), seconds, self._clock, self._finished))
 
     def tick(self, finished: int = 0) -> None:
@@ -415,47 +434,51 @@ class StepCosts:
                     aged = True
             if aged and table is self._drafted_rows:  # the cached points read the drafted steps only
                 self._drafted_pts = {}
-        for table, age in ((self._yield, YIELD_MAX_AGE), (self._steps[True], STEP_RATE_MAX_AGE),
-                           (self._steps[False], STEP_RATE_MAX_AGE)):
+        for table, age in ((self._yield, YIELD_MAX_AGE),
+                           *((self._steps[k], STEP_RATE_MAX_AGE) for k in STEP_KINDS)):
             for obs in table.values():
                 while obs and self._clock - obs[0][2] > age:
                     obs.popleft()
         self._finished += max(int(finished), 0)
         if finished:
-            for b, obs in self._steps[True].items():
-                while obs and self._finished - obs[0][3] >= b:
-                    obs.popleft()
+            for source in DRAFT_SOURCES:
+                for b, obs in self._steps[source].items():
+                    while obs and self._finished - obs[0][3] >= b:
+                        obs.popleft()
 
     def needs_reference(self, batch_size: int) -> bool:
         """Whether the next step of ``batch_size`` requests should draft nothing, so that the realised comparison
         (:meth:`step_rates`) has steps without drafts from the text now running: True where a batch size near it
-        has :data:`COMPARE_MIN_DRAFTING` recent drafted steps and none has :data:`COMPARE_MIN_PLAIN` recent steps
-        without. Where drafting pays by the rows' curve every step drafts, so no such step would come, and the
-        drafts would go on unjudged (module docstring). Counts the step when True."""
-        if (_nearest(self._steps[True], batch_size, COMPARE_MIN_DRAFTING) is not None
-                and _nearest(self._steps[False], batch_size, COMPARE_MIN_PLAIN) is None):
+        has :data:`COMPARE_MIN_DRAFTING` recent drafted steps (of either source) and none has
+        :data:`COMPARE_MIN_PLAIN` recent steps without. Where drafting pays by the rows' curve every step drafts,
+        so no such step would come, and the drafts would go on unjudged (module docstring). Counts the step when
+        True."""
+        if (any(_nearest(self._steps[s], batch_size, COMPARE_MIN_DRAFTING) is not None for s in DRAFT_SOURCES)
+                and _nearest(self._steps["none"], batch_size, COMPARE_MIN_PLAIN) is None):
             self.references += 1
             return True
         return False
 
-    def step_rates(self, batch_size: int) -> tuple[float, float] | None:
-        """Tokens per second of the recent decode steps that verified draft tokens and of those that verified none,
-        at the nearest batch sizes (no further than ``max(2, batch_size // 4)``) with :data:`COMPARE_MIN_DRAFTING`
-        and :data:`COMPARE_MIN_PLAIN` of them; None without."""
+    def step_rates(self, batch_size: int, source: str = "heads") -> tuple[float, float] | None:
+        """Tokens per second of the recent decode steps that verified draft tokens of ``source``
+        (:meth:`record_step`) and of those that verified none, at the nearest batch sizes (no further than
+        ``max(2, batch_size // 4)``) with :data:`COMPARE_MIN_DRAFTING` and :data:`COMPARE_MIN_PLAIN` of them;
+        None without."""
         out = []
-        for drafted, need in ((True, COMPARE_MIN_DRAFTING), (False, COMPARE_MIN_PLAIN)):
-            b = _nearest(self._steps[drafted], batch_size, need)
+        for kind, need in ((source, COMPARE_MIN_DRAFTING), ("none", COMPARE_MIN_PLAIN)):
+            b = _nearest(self._steps[kind], batch_size, need)
             if b is None:
                 return None
-            out.append(_rate(self._steps[drafted][b]))
+            out.append(_rate(self._steps[kind][b]))
         return out[0], out[1]
 
-    def drafting_loses(self, batch_size: int) -> bool:
-        """Whether, at ``batch_size`` requests, the decode steps that verified draft tokens have not emitted
-        :data:`COMPARE_MARGIN` more tokens per second than those that verified none (:meth:`step_rates`,
-        :func:`drafts_behind`): what drafting actually returned against
-        what it actually cost, every cost included (the rows' attention over long contexts, the heads, lookup and
-        sampling).
+    def drafting_loses(self, batch_size: int, source: str = "heads") -> bool:
+        """Whether, at ``batch_size`` requests, the decode steps that verified draft tokens of ``source``
+        (:data:`DRAFT_SOURCES`: ``"heads"``, steps some of whose drafts came from the heads; ``"lookup"``, steps
+        whose drafts all came from prompt lookup) have not emitted :data:`COMPARE_MARGIN` more tokens per second
+        than those that verified none (:meth:`step_rates`, :func:`drafts_behind`): what drafting actually returned
+        against what it actually cost, every cost included (the rows' attention over long contexts, the heads,
+        lookup and sampling).
 
         Where that is not measured near ``batch_size``, the verdict of the largest smaller batch size that has
         one (:data:`COMPARE_MIN_DRAFTING` and :data:`COMPARE_MIN_PLAIN` steps of its own) stands if it lost: as
@@ -464,20 +487,20 @@ class StepCosts:
         :data:`COMPARE_MIN_DRAFTING` drafted steps before it can rest; not measured on its own); the
         exploring steps (:meth:`needs_exploration`) still measure drafting at ``batch_size``, and its own verdict
         replaces the inherited one once it has the steps. False with neither."""
-        rates = self.step_rates(batch_size)
+        rates = self.step_rates(batch_size, source)
         if rates is not None:
             return drafts_behind(rates)
-        for b in sorted((b for b in self._steps[True] if b < batch_size), reverse=True):
-            rates = self._own_rates(b)
+        for b in sorted((b for b in self._steps[source] if b < batch_size), reverse=True):
+            rates = self._own_rates(b, source)
             if rates is not None:
                 return drafts_behind(rates)
         return False
 
-    def _own_rates(self, batch_size: int) -> tuple[float, float] | None:
+    def _own_rates(self, batch_size: int, source: str = "heads") -> tuple[float, float] | None:
         """:meth:`step_rates` from the steps of exactly ``batch_size`` requests; None without enough of them."""
         out = []
-        for drafted, need in ((True, COMPARE_MIN_DRAFTING), (False, COMPARE_MIN_PLAIN)):
-            obs = self._steps[drafted].get(batch_size)
+        for kind, need in ((source, COMPARE_MIN_DRAFTING), ("none", COMPARE_MIN_PLAIN)):
+            obs = self._steps[kind].get(batch_size)
             if obs is None or len(obs) < need:
                 return None
             out.append(_rate(obs))
@@ -747,7 +770,7 @@ class StepCosts:
 
     def compared(self) -> bool:
         """Whether some batch size has a realised comparison of its own (what :meth:`describe` lists)."""
-        return any(self._own_rates(b) is not None for b in self._steps[True])
+        return any(self._own_rates(b, s) is not None for s in DRAFT_SOURCES for b in self._steps[s])
 
     def token_value(self, batch_size: int, last: int) -> float | None:
         """While a batch of ``batch_size`` requests drains, the seconds of step time one accepted draft token of its
@@ -770,13 +793,16 @@ class StepCosts:
 
     def describe(self) -> str:
         """One line for the server's log: per batch size with a realised comparison, the tokens per second of its
-        recent steps with and without draft tokens and whether the drafter rests there; then the steps made to
+        recent steps with and without draft tokens and whether the drafter rests there (the heads'; then those of
+        prompt lookup's drafts alone, marked ``(lookup alone)``); then the steps made to
         measure (probes, references) and to explore. What a user reads to see why entmtp drafts little under load."""
         parts = []
-        for b in sorted(self._steps[True]):
-            rates = self._own_rates(b)
-            if rates is not None:
-                parts.append(f"{b}: {rates[0]:.0f}/{rates[1]:.0f}{' (rests)' if drafts_behind(rates) else ''}")
+        for source in DRAFT_SOURCES:
+            for b in sorted(self._steps[source]):
+                rates = self._own_rates(b, source)
+                if rates is not None:
+                    label = f"{b}" if source == "heads" else f"{b} ({source} alone)"
+                    parts.append(f"{label}: {rates[0]:.0f}/{rates[1]:.0f}{' (rests)' if drafts_behind(rates) else ''}")
         compared = ", ".join(parts) if parts else "none yet"
         return (f"tokens/s of recent steps with/without draft tokens by batch size: {compared}; steps without drafts "
                 f"to measure: probes {self.probes}, references {self.references}; exploring steps {self.explorations}")
@@ -784,13 +810,15 @@ class StepCosts:
     def summary(self) -> dict:
         """For logs and tests: ``{"rows_ms": {R: median ms}, "draft_ms": {B: median ms}, "level_ms": {B: [rest,
         per level] ms}, "heads_yield": {B: accepted heads' tokens per second added}, "step_rates": {B: [tokens/s
-        of steps with drafts, of steps without]}, "probes": n, "references": n, "explorations": n}``."""
+        of steps with the heads' drafts, of steps without]}, "lookup_step_rates": {the same for steps with prompt
+        lookup's drafts alone}, "probes": n, "references": n, "explorations": n}``."""
         return {"rows_ms": {r: round(1e3 * t, 3) for r, t in self._medians().items()},
                 "draft_ms": {b: round(1e3 * statistics.median(v), 3) for b, v in sorted(self._draft.items())},
                 "level_ms": {b: [round(1e3 * x, 3) for x in lt] for b in sorted({*self._levels, *self._flat})
                              if (lt := self.level_time(b)) is not None},
                 "heads_yield": {b: round(self._own_yield(b), 1) for b in sorted(self._yield)
                                 if len(self._yield[b]) >= YIELD_MIN_STEPS},
-                "step_rates": {b: [round(r, 1) for r in rates] for b in sorted(self._steps[True])
-                               if (rates := self.step_rates(b)) is not None},
+                **{key: {b: [round(r, 1) for r in rates] for b in sorted(self._steps[source])
+                         if (rates := self.step_rates(b, source)) is not None}
+                   for key, source in (("step_rates", "heads"), ("lookup_step_rates", "lookup"))},
                 "probes": self.probes, "references": self.references, "explorations": self.explorations}

@@ -19,7 +19,9 @@ call order (``probe``: ``StepCosts.needs_probe``, ``reference``: ``needs_referen
 draft tokens (``drafted``, ``draft_tokens``) and those from prompt lookup (``lookup_tokens``), whether the heads
 ran, the requests (ids) the schedule's choice ran for and those that drafted from the heads (``heads_rows``,
 ``heads_drafted``: a request whose lookup chain won after the heads ran is in the first, not the second), whether
-the drafts explored and whether they were weighed by ``StepCosts.token_value`` (``valued``); and the draft tokens
+the drafts explored and whether they were weighed by ``StepCosts.token_value`` (``valued``), the realised
+comparison's tokens per second with and without drafts at that batch size after the call, per draft source
+(``rates``: ``{"heads": [with, without] or null, "lookup": ...}``, ``StepCosts.step_rates``); and the draft tokens
 the step before accepted, its bonus tokens not counted (``accepted``, from the drafter's ``draft_step``). The report
 gives, per batch size, the mean draft tokens, lookup draft tokens and accepted draft tokens of the decode steps that
 verified drafts. Made to find where a level's time went (session 40: the drain of a level,
@@ -78,6 +80,7 @@ class LoadTrace:
             for method, name in SCHEDULER_CALLS.items():
                 self._wrap(drafter.scheduler, method, name)
         from vllm_entmtp.drafter import LOOKUP_ID  # here: the report reads JSON lines only, without vLLM
+        from vllm_entmtp.step_costs import DRAFT_SOURCES
 
         orig, call = drafter._propose_scheduled, self._call
 
@@ -92,6 +95,10 @@ class LoadTrace:
                         heads_rows=[req_ids[i] for i in getattr(drafter, "heads_rows", ())],
                         heads_drafted=[r for r, (t, _), d in zip(req_ids, chosen, drafts) if d and t != LOOKUP_ID],
                         valued=bool(getattr(drafter, "_valued", False)))
+            costs = getattr(drafter, "step_costs", None)
+            if costs is not None:  # the realised comparison as the rule read it after this call, per draft source
+                call["rates"] = {s: None if (r := costs.step_rates(len(req_ids), s)) is None
+                                 else [round(x, 1) for x in r] for s in DRAFT_SOURCES}
             return chosen, drafts
 
         drafter._propose_scheduled = propose

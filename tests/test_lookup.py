@@ -480,6 +480,9 @@ def test_the_load_trace_records_the_rules_answers_and_the_drafts_of_each_step(tm
     assert first["lookup_tokens"] == 3  # r0's draft is its lookup chain (cut to 3 tokens)
     # the heads did not run: r0 takes its lookup draft
     assert first["heads_rows"] == [] and first["heads_drafted"] == []
+    # the realised comparison as the rule read it: the full batch's steps with the heads' drafts behind (resting)
+    assert first["rates"]["heads"] == pytest.approx([round(x, 1) for x in d.step_costs.step_rates(n)])
+    assert first["rates"]["heads"][0] < first["rates"]["heads"][1] and first["rates"]["lookup"] is None
     assert "n" not in rows[0] and "n" not in rows[3]  # no call before them
     levels = lt.levels(rows)
     assert [len(lv) for lv in levels] == [3, 2]

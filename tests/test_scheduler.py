@@ -724,27 +724,6 @@ def test_drafting_rests_on_a_tie_of_the_realised_comparison():
     assert not c.drafting_loses(16)
 
 
-def test_a_stretch_of_slow_steps_without_drafts_does_not_decide_the_realised_comparison():
-    """The steps without drafts count by their fastest quarter (``PLAIN_QUANTILE``): served at 32 running on ShareGPT,
-    six of them after the level's prompts took about 140 ms and two 86 ms (plain decoding's server: 80 ms), and
-    summed they made drafted steps of 58 tokens in 155 ms look paying, through a level that ran 0.835x. The drafted
-    steps count by all of theirs."""
-    from vllm_entmtp.step_costs import PLAIN_QUANTILE, StepCosts
-
-    assert PLAIN_QUANTILE == 0.25
-    c = StepCosts()
-    for seconds in (0.140,) * 7 + (0.086,) * 2:  # (a key's first observation is dropped)
-        c.record_step(32, 32, seconds, drafted=False)
-    for seconds in (0.155,) * 9:
-        c.record_step(32, 58, seconds, drafted=True)  # 374 tokens/s
-    drafted, plain = c.step_rates(32)
-    assert drafted == pytest.approx(58 / 0.155) and plain == pytest.approx(32 / 0.086)  # the fastest 2 of 8
-    assert c.drafting_loses(32)  # summed, the eight would price the steps without drafts at 253 tokens/s
-    for seconds in (0.150, 0.120, 0.170, 0.130, 0.160, 0.110, 0.180, 0.140):  # drafted: all of them, slow or not
-        c.record_step(32, 58, seconds, drafted=True)
-    assert c.step_rates(32)[0] == pytest.approx(58 * 16 / (8 * 0.155 + 1.16))
-
-
 def test_the_realised_comparison_judges_prompt_lookups_drafts_apart_from_the_heads():
     """Steps that verified prompt lookup's drafts alone and steps that verified some of the heads' are compared with
     the steps without drafts apart (``source``): served at 32 running on ShareGPT, the heads' one-token drafts lost

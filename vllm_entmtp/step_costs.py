@@ -63,8 +63,7 @@ emitted (one token per request plus its accepted draft tokens) and took (from it
 drafting), apart for steps that verified draft tokens some of which came from the heads, steps that verified
 prompt lookup's drafts alone, and steps that verified none (not the steps in which a request held itself to a
 tree), among the last :data:`STEP_RATE_MAX_AGE` engine steps (a drafted step also leaves once as many requests as
-its batch size have finished since: :meth:`StepCosts.tick`; the steps without drafts count by their fastest
-quarter, :data:`PLAIN_QUANTILE`); where the steps with the heads' drafts have not
+its batch size have finished since: :meth:`StepCosts.tick`); where the steps with the heads' drafts have not
 emitted :data:`COMPARE_MARGIN` more tokens per second than those without (:meth:`StepCosts.drafting_loses`; a tie
 costs what single steps do not show), the heads do not run at that batch size and explore as above (2026-12-02,
 served, ShareGPT, 16 running, bfloat16: entmtp ran 0.78-0.92x plain decoding while drafting in a quarter of the
@@ -144,17 +143,6 @@ COMPARE_MARGIN = 0.05
 DRAFT_SOURCES = ("heads", "lookup")
 #: The realised comparison's kinds of decode steps: by the source of their drafts, and ``"none"`` (no drafts).
 STEP_KINDS = (*DRAFT_SOURCES, "none")
-#: The realised comparison's steps without drafts count by their fastest this share (at least one step; by seconds
-#: per token, :func:`_plain_rate`), the drafted steps by all of theirs: what slows a step comes from outside it
-#: (other processes on the core, the front end's work after a batch's prompts), and one stretch of slow steps
-#: without drafts had decided the comparison. Served at 32 running on ShareGPT (2026-12-06, AMX Xeon, bfloat16,
-#: ``benchmarks/results/lookup-apart-amx-2026-12-06/``), in two of six servers the first six steps without drafts
-#: after the level's prompts took 123-143 ms (vLLM's iteration times), the next two 84-88 ms, as plain decoding's
-#: steps took 79-81 ms in its own server; summed, the eight priced a step without drafts at about 250 tokens/s,
-#: the drafted steps (about 350) won, and drafting went on for the whole level, which ran 0.835x and 0.949x plain
-#: decoding; against the fast steps (370-400 tokens/s) they lose. Drafted steps are not taken by their fastest: their
-#: tokens vary with what was accepted, not only with what slowed them, and taking all of them errs toward resting.
-PLAIN_QUANTILE = 0.25
 #: Steps in which the heads ran that it takes to judge a batch size's yield (of those of the last
 #: :data:`YIELD_MAX_AGE` steps).
 YIELD_MIN_STEPS = 8
@@ -276,13 +264,6 @@ def drafts_behind(rates: tuple[float, float]) -> bool:
 def _rate(obs) -> float:
     """Tokens per second over ``(tokens, seconds, ...)`` observations."""
     return sum(o[0] for o in obs) / sum(o[1] for o in obs)
-
-
-def _plain_rate(obs) -> float:
-    """Tokens per second of the steps without drafts in ``(tokens, seconds, ...)`` observations, over their fastest
-    :data:`PLAIN_QUANTILE` by seconds per token (at least one step)."""
-    fast = sorted(obs, key=lambda o: o[1] / o[0])[:max(1, int(len(obs) * PLAIN_QUANTILE))]
-    return _rate(fast)
 
 
 def _line(pts: list[tuple[int, float, int]]) -> tuple[float, float]:
@@ -480,15 +461,15 @@ class StepCosts:
 
     def step_rates(self, batch_size: int, source: str = "heads") -> tuple[float, float] | None:
         """Tokens per second of the recent decode steps that verified draft tokens of ``source``
-        (:meth:`record_step`) and of those that verified none (their fastest :data:`PLAIN_QUANTILE`), at the
-        nearest batch sizes (no further than ``max(2, batch_size // 4)``) with :data:`COMPARE_MIN_DRAFTING` and
-        :data:`COMPARE_MIN_PLAIN` of them; None without."""
+        (:meth:`record_step`) and of those that verified none, at the nearest batch sizes (no further than
+        ``max(2, batch_size // 4)``) with :data:`COMPARE_MIN_DRAFTING` and :data:`COMPARE_MIN_PLAIN` of them;
+        None without."""
         out = []
         for kind, need in ((source, COMPARE_MIN_DRAFTING), ("none", COMPARE_MIN_PLAIN)):
             b = _nearest(self._steps[kind], batch_size, need)
             if b is None:
                 return None
-            out.append((_rate if kind != "none" else _plain_rate)(self._steps[kind][b]))
+            out.append(_rate(self._steps[kind][b]))
         return out[0], out[1]
 
     def drafting_loses(self, batch_size: int, source: str = "heads") -> bool:
@@ -522,7 +503,7 @@ class StepCosts:
             obs = self._steps[kind].get(batch_size)
             if obs is None or len(obs) < need:
                 return None
-            out.append((_rate if kind != "none" else _plain_rate)(obs))
+            out.append(_rate(obs))
         return out[0], out[1]
 
     def heads_yield(self, batch_size: int) -> float | None:

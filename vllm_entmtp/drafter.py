@@ -504,7 +504,7 @@ class EntMTPProposer(MedusaProposer):
         # prompt lookup searches there unless the steps with its drafts alone lose too (StepCosts.DRAFT_SOURCES); not
         # while the batch drains with some requests ahead, where tokens per second of the whole batch are not what a
         # draft is for
-        heads_only_lookup = self.spec_config.entmtp.draft_sources == "lookup"  # (the name: "only from lookup")
+        heads_only_lookup = self.spec_config.entmtp.draft_sources == "lookup"  # drafts from prompt lookup alone
         resting = costs is not None and free and not probe and value is None and costs.drafting_loses(
             n, source="lookup" if heads_only_lookup else "heads")
         explore = resting and costs.needs_exploration(n)  # drafting is measured again (StepCosts)

@@ -430,7 +430,8 @@ class EntMTPProposer(MedusaProposer):
             drafts = self._draft(req_ids, target_hidden_states, [t for _, t in chosen], bonus)
         else:
             chosen, drafts = self._propose_scheduled(target_hidden_states, bonus, req_ids, budgets, active)
-        for req_id, (tree_id, tree), toks, live in zip(req_ids, chosen, drafts, active or [True] * n):
+        lives = active or [True] * n  # requests that decode (not prompt chunks)
+        for req_id, (tree_id, tree), toks, live in zip(req_ids, chosen, drafts, lives):
             draft = Draft.make(tree_id, tree, toks, is_greedy(self._sampling_params(req_id))) if tree else None
             if live:  # a cut draft counts as the prefix it drafted ("id@n")
                 self.tree_stats.record_choice(draft.tree_id if draft is not None else None)
@@ -438,11 +439,10 @@ class EntMTPProposer(MedusaProposer):
                 self.pending[req_id] = draft
             else:
                 self.pending.pop(req_id, None)
-        if len({len(d) for d, live in zip(drafts, active or [True] * n) if d and live}) > 1:
+        if len({len(d) for d, live in zip(drafts, lives) if d and live}) > 1:
             self.tree_stats.mixed_length_steps += 1
         self._proposed_sources = frozenset("lookup" if t == LOOKUP_ID else "heads"
-                                           for (t, _), d, live in zip(chosen, drafts, active or [True] * n)
-                                           if d and live)
+                                           for (t, _), d, live in zip(chosen, drafts, lives) if d and live)
         if self.lookup is not None:
             self.tree_stats.record_step_sources(set(self._proposed_sources))
         if self.scheduler is not None:  # the signal behind each draft; its acceptance comes next step

@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     heads, kv_heads, head_dim, layers = attention_shape(json.loads((folder / "config.json").read_text()))
     dtype = getattr(torch, args.dtype)
     isa = _get_attn_isa(dtype, args.block_size, head_dim, "auto")
+    if isa == "amx":  # the process asks Linux for the AMX tile state first (vLLM's worker does), else SIGILL
+        torch.cpu._init_amx()
     bs = args.block_size
     if "entmtp" in kernels:
         from vllm_entmtp import verify_attention

@@ -179,7 +179,8 @@ def render_headline(doc: dict, method: str = "entmtp") -> str:
     out = [f"`{method}` (`{json.dumps((s['methods'].get(method) or {}).get('speculative_config'))}`), output "
            f"tokens/s as a ratio, measured in one run ({doc['date'][:10]}, {doc['machine'].get('cpu_model')}, "
            f"{doc['machine'].get('usable_cpus')} CPUs; {s['num_requests']} requests per level, at least as many as in "
-           f"flight, of at most {s['max_tokens']} tokens, greedy); MAL: mean acceptance length at c{low}, bonus token included.", "",
+           f"flight, of at most {s['max_tokens']} tokens, greedy); MAL: mean acceptance length at c{low}, bonus token "
+           "included.", "",
            "| task | " + " | ".join(cols) + f" | MAL, c{low} |", "|---|" + "---:|" * (len(cols) + 1)]
     for task in s["tasks"]:
         cells = []

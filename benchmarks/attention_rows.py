@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--repeats must be >= 1")
     if args.block_size < 1:
         ap.error("--block-size must be >= 1")
-    if "entmtp" in kernels and args.block_size % 16:
-        ap.error("--kernels entmtp needs a --block-size that is a multiple of 16")
+    if "entmtp" in kernels and args.block_size % 32:
+        ap.error("--kernels entmtp needs a --block-size that is a multiple of 32 (16 would do on 'vec')")
 
     import torch
     from vllm import _custom_ops as ops
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             def step_entmtp(r: int) -> None:
                 qsl, seq_lens, table, query, out = calls[r]
                 for cache in flat:
-                    verify_attention.kernel()(query, cache, qsl, seq_lens, table, every, head_dim ** -0.5, out)
+                    verify_attention.kernel(isa)(query, cache, qsl, seq_lens, table, every, head_dim ** -0.5, out)
 
             for kernel in kernels:
                 ms = median_ms(step if kernel == "vllm" else step_entmtp, rows, args.repeats)

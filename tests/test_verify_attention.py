@@ -59,12 +59,12 @@ def test_a_step_is_split_by_rows_and_mixed_steps_compute_both_parts(kernel):
     query, cache, qsl, seq, table = va.random_batch(dtype, contexts, rows, seed=4)
     impl = types.SimpleNamespace(num_heads=9, num_kv_heads=3, head_size=64, kv_cache_dtype="auto", scale=0.125)
     md = _metadata(qsl.tolist(), seq.tolist(), table)
-    split = va.plan(md, impl, va.SUPPORTED_ISA, dtype)
+    split = va.plan(md, impl, "vec", dtype)
     q = qsl.tolist()
     assert split.reqs_m.tolist() == [1, 4]
     assert split.rows_v.tolist() == [q[0], q[2], *range(q[3], q[4])] and split.qsl_v.tolist() == [0, 1, 2, 19]
     assert split.seq_v.tolist() == [301, 130, 617] and torch.equal(split.table_v, table[[0, 2, 3]])
-    layer = types.SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
+    layer = types.SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, isa="vec")
     out = torch.full_like(query, float("nan"))
     va.forward(impl, layer, query, cache, split, out, int(qsl[-1]))
     whole = va.reference(query, cache, qsl, seq, table, 0.125)
@@ -108,7 +108,10 @@ def test_a_layer_the_kernel_cannot_serve(kernel):
     other = types.SimpleNamespace(**vars(impl))
     va.use([other], False)  # another engine's layers, verify_attention 'vllm': this one's stay on
     assert va.serves(impl, layer, cache) and not va.serves(other, layer, cache)
-    assert not va.serves(impl, types.SimpleNamespace(isa="amx"), cache)
+    assert not va.serves(impl, types.SimpleNamespace(isa="neon"), cache)  # a layout the kernel does not read
+    assert not va.serves(impl, types.SimpleNamespace(isa="amx"), cache)  # 'amx' holds bfloat16 only
+    assert va.serves(impl, types.SimpleNamespace(isa="amx"), cache.to(torch.bfloat16))
+    assert not va.serves(impl, types.SimpleNamespace(isa="amx"), torch.zeros(2, 3, 48, 128, dtype=torch.bfloat16))
     for key, value in (("sliding_window", 256), ("logits_soft_cap", 30.0), ("kv_cache_dtype", "fp8"),
                        ("head_size", 80)):
         assert not va.serves(types.SimpleNamespace(**{**vars(impl), key: value}), layer, cache), key
@@ -119,8 +122,10 @@ def test_what_fixes_a_layer_to_vllms_kernel_is_named_at_start_up():
     impl = types.SimpleNamespace(alibi_slopes=None, sliding_window=-1, logits_soft_cap=0, sinks=None,
                                  kv_cache_dtype="auto", head_size=64)
     assert va.layer_limits(impl, "vec", 128) is None
-    assert "'amx', not 'vec'" in va.layer_limits(impl, "amx", 128)
+    assert va.layer_limits(impl, "amx", 128) is None
+    assert "'neon', not one of vec, amx" in va.layer_limits(impl, "neon", 128)
     assert "block size 40" in va.layer_limits(impl, "vec", 40)
+    assert va.layer_limits(impl, "vec", 48) is None and "multiple of 32 only on 'amx'" in va.layer_limits(impl, "amx", 48)
     for key, value, words in (("head_size", 96, "head size 96"), ("kv_cache_dtype", "fp8_e4m3", "fp8_e4m3"),
                               ("sliding_window", 512, "sliding window"), ("logits_soft_cap", 30.0, "soft-capping"),
                               ("alibi_slopes", torch.ones(9), "ALiBi"), ("sinks", torch.ones(9), "sinks")):
@@ -144,3 +149,46 @@ def test_rows_are_read_and_written_in_place_with_strides(kernel):
 def test_a_kernel_that_disagrees_with_vllms_is_not_used(kernel, monkeypatch):
     monkeypatch.setattr(va, "TOLERANCE", {torch.float32: -1.0, torch.bfloat16: -1.0})
     assert "differed from vLLM's kernel" in va.self_check(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def amx_kernel():
+    if va.layout(torch.bfloat16) != "amx":
+        pytest.skip("vLLM's CPU attention does not use the 'amx' layout on this machine (no AMX)")
+    if not va.load(torch.bfloat16):
+        pytest.skip(f"the verification kernel does not serve this machine: {va.why_not()}")
+    return va.kernel("amx")
+
+
+def test_the_amx_layout_kernel_equals_vllms_within_rounding(amx_kernel):
+    # contexts on and around block edges (128) and the layout's groups of 16 and 32 tokens, odd token counts, and
+    # requests of more than 16 query vectors (6 rows x 3 query heads: two tile passes)
+    contexts = [0, 1, 15, 31, 33, 127, 128, 129, 255, 300, 1000]
+    rows = [2, 3, 1, 16, 4, 2, 8, 5, 7, 6, 2]
+    batch = va.random_batch(torch.bfloat16, contexts, rows, seed=11, isa="amx")
+    ours, vllms = va.multirow(*batch, 0.1, isa="amx").float(), va.reference(*batch, 0.1, isa="amx").float()
+    assert not ours.isnan().any()
+    assert (ours - vllms).abs().max().item() <= va.TOLERANCE[torch.bfloat16]
+    assert (va.multirow(*batch, 0.3, isa="amx").float() - vllms).abs().max().item() > 10 * va.TOLERANCE[torch.bfloat16]
+    wide = va.random_batch(torch.bfloat16, [50, 400], [3, 2], heads=8, kv_heads=2, head_dim=128, seed=12, isa="amx")
+    diff = va.multirow(*wide, 0.09, isa="amx").float() - va.reference(*wide, 0.09, isa="amx").float()
+    assert diff.abs().max().item() <= va.TOLERANCE[torch.bfloat16]
+
+
+def test_the_amx_layout_kernel_sees_each_rows_own_prefix_only(amx_kernel):
+    query, cache, qsl, seq, table = va.random_batch(torch.bfloat16, [200], [6], seed=13, isa="amx")
+    full = va.multirow(query, cache, qsl, seq, table, 0.125, isa="amx")
+    for i in range(6):
+        part = va.multirow(query[:i + 1].contiguous(), cache, torch.tensor([0, i + 1], dtype=torch.int32),
+                           torch.tensor([200 + i + 1], dtype=torch.int32), table, 0.125, isa="amx")
+        assert torch.equal(part[i], full[i])  # the same sums in the same order: the same bits
+    assert (full[0].float() - full[5].float()).abs().max().item() > 1e-2
+
+
+def test_the_amx_layout_kernel_refuses_what_the_layout_cannot_hold(amx_kernel):
+    query, cache, qsl, seq, table = va.random_batch(torch.bfloat16, [40], [2], seed=14, isa="amx")
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        va.multirow(query.float(), cache.float(), qsl, seq, table, 0.125, isa="amx")
+    odd = torch.zeros(cache.shape[0], cache.shape[1], 48, cache.shape[3], dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        va.multirow(query, odd, qsl, seq, table, 0.125, isa="amx")

@@ -1,22 +1,28 @@
 """The attention of the requests that verify draft tokens, on vLLM's CPU paged KV cache (``verify_attention``).
 
 vLLM's CPU kernel (``cpu_attention_with_kv_cache``) takes a request's second query row at a large part of its
-first's cost. On the project's 2-core EPYC (bfloat16, 30 layers, 16 requests, one thread as the served worker runs;
-``benchmarks/attention_rows.py --kernels vllm,entmtp``, two runs) it took 17.3-17.8 ms for one row each and
-24.0-24.2 ms for two at 300 tokens of context, 51.1-52.5 and 78.9-80.9 ms at 1,000. The kernel here
-(``kernels/verify_attention.cpp``, AVX-512F) reads each request's K/V blocks once for all its query rows and all
-query heads of a KV head, its dot-product and weighted-sum accumulators in registers: 13.2-13.4 and 17.3-17.5 ms,
-39.7-39.8 and 51.8 ms on the same rows. Served, where only the requests verifying draft tokens take it, a draft
-token cost 11-13 % less per step (``benchmarks/results/verify-kernel-epyc-2026-12-05/``; end to end at 16 and 32
-running, parity with plain decoding with it or without).
+first's cost. The kernel here (``kernels/verify_attention.cpp``) reads each request's K/V blocks once for all its
+query rows and all query heads of a KV head, on both of vLLM's x86 layouts:
+
+- ``vec`` (AVX-512 without AMX, and float32 everywhere; AVX-512F, accumulators in registers). On the project's
+  2-core EPYC (bfloat16, 30 layers, 16 requests, one thread as the served worker runs;
+  ``benchmarks/attention_rows.py --kernels vllm,entmtp``, two runs) vLLM's took 17.3-17.8 ms for one row each and
+  24.0-24.2 ms for two at 300 tokens of context, 51.1-52.5 and 78.9-80.9 ms at 1,000; this kernel 13.2-13.4 and
+  17.3-17.5 ms, 39.7-39.8 and 51.8 ms. Served, a draft token cost 11-13 % less per step
+  (``benchmarks/results/verify-kernel-epyc-2026-12-05/``).
+- ``amx`` (bfloat16 on CPUs with AMX; AMX tiles, as vLLM's kernel: up to 16 query vectors a tile, so extra rows
+  cost little). On a 2-core Xeon with AMX (32 requests, one thread) vLLM's took 23.3 / 44.5 / 45.5 / 47.1 ms for
+  1-4 rows a request at 300 tokens of context and 70.3 / 157.1 / 163.7 / 166.8 at 1,000; this kernel 23.3 / 25.3 /
+  27.3 / 28.4 and 67.2 / 72.9 / 76.9 / 83.0.
 
 Only the requests that verify draft tokens this step (``verifying``: vLLM scheduled draft tokens for them) with 2 to
 :data:`MAX_ROWS` query rows take it; the other requests of the step (one row each, prompt chunks) run vLLM's kernel
 as a batch of their own, so a step that verifies no draft token runs vLLM's kernel alone, as plain decoding does.
-Where the kernel does not apply (no AVX-512F, no C++ compiler or ninja, a KV layout other than ``vec``, sliding
+Where the kernel does not apply (no AVX-512F, no C++ compiler or ninja, a KV layout other than these two, sliding
 windows, ALiBi, soft-capping, sinks, an fp8 KV cache, head sizes other than 64 and 128, a non-causal step) vLLM's
 kernel runs everything. Its output differs from vLLM's kernel by rounding (the sums run in another order: on
-random float32 batches within 2.4e-7 of outputs of order 1; the start-up check and the tests allow 1e-4).
+random float32 batches within 2.4e-7 of outputs of order 1, bfloat16 ones on ``amx`` within one bfloat16 step;
+the start-up check and the tests allow 1e-4 in float32, 3e-2 in bfloat16).
 """
 from __future__ import annotations
 
@@ -28,14 +34,20 @@ from vllm_entmtp import cpp_build
 
 #: Requests with at most this many query rows take the kernel (a chain of 15 draft tokens and its root).
 MAX_ROWS = 16
-SUPPORTED_ISA = "vec"
+#: vLLM's CPU KV layouts (its ISA names) the kernel reads: ``vec`` (AVX-512F, float32 or bfloat16) and ``amx``
+#: (bfloat16 on CPUs with AMX, computed with AMX tiles).
+LAYOUTS = ("vec", "amx")
+#: Block sizes the kernel takes must be multiples of these.
+BLOCK_MULTIPLE = {"vec": 16, "amx": 32}
 SOURCE = "verify_attention.cpp"
 NAME = "entmtp_verify_attention"
 
 
-def kernel():
-    """The loaded kernel (``multirow_attention``), or None."""
-    return KERNEL.module.multirow_attention if KERNEL.module is not None else None
+def kernel(isa: str = "vec"):
+    """The loaded kernel for KV layout ``isa`` (``multirow_attention``, ``multirow_attention_amx``), or None."""
+    if KERNEL.module is None:
+        return None
+    return KERNEL.module.multirow_attention_amx if isa == "amx" else KERNEL.module.multirow_attention
 
 
 def use(impls, on: bool) -> None:
@@ -57,24 +69,34 @@ def load(dtype: torch.dtype) -> bool:
     return KERNEL.load(dtype)
 
 
+def layout(dtype: torch.dtype) -> str:
+    """vLLM's CPU KV layout for ``dtype`` on this machine (its ISA name: ``vec``, ``amx``, ...)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    return _get_attn_isa(dtype, 128, 64, "auto")
+
+
 def _unavailable(dtype: torch.dtype) -> str | None:
     if dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {dtype} (float32 and bfloat16 only)"
     if not torch.cpu._is_avx512_supported():
         return "this CPU has no AVX-512"
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-    if _get_attn_isa(dtype, 128, 64, "auto") != SUPPORTED_ISA:
-        return f"vLLM's CPU attention uses another KV layout than '{SUPPORTED_ISA}' here"
+    here = layout(dtype)
+    if here not in LAYOUTS:
+        return f"vLLM's CPU attention uses the KV layout '{here}' here (the kernel reads {', '.join(LAYOUTS)})"
+    if here == "amx" and not (torch.cpu._is_amx_tile_supported() and torch.cpu._is_avx512_bf16_supported()):
+        return "this CPU has no AMX tiles or no AVX512-BF16 (the kernel's 'amx' layout path uses both)"
+    if here == "amx" and not torch.cpu._init_amx():
+        return "Linux did not grant this process the AMX tile state"
     return cpp_build.toolchain_missing()
 
 
 def layer_limits(impl, layout: str, block_size: int) -> str | None:
     """Why a layer's attention cannot take the kernel whatever the step (None: it can), from what is fixed at
     start-up: the KV layout vLLM chose (``layout``, its ISA name), block size, head size, and the layer's options."""
-    if layout != SUPPORTED_ISA:
-        return f"vLLM's KV layout here is '{layout}', not '{SUPPORTED_ISA}'"
-    if block_size % 16:
-        return f"KV block size {block_size} (a multiple of 16 only)"
+    if layout not in LAYOUTS:
+        return f"vLLM's KV layout here is '{layout}', not one of {', '.join(LAYOUTS)}"
+    if block_size % BLOCK_MULTIPLE[layout]:
+        return f"KV block size {block_size} (a multiple of {BLOCK_MULTIPLE[layout]} only on '{layout}')"
     if impl.head_size not in (64, 128):
         return f"head size {impl.head_size} (64 and 128 only)"
     if impl.kv_cache_dtype != "auto":
@@ -86,9 +108,12 @@ def layer_limits(impl, layout: str, block_size: int) -> str | None:
     return None
 
 
-def reference(query, kv_cache, qsl, seq_lens, block_table, scale: float, isa: str = SUPPORTED_ISA) -> torch.Tensor:
-    """vLLM's kernel on the same rows (``kv_cache [num_blocks, Hkv, block_size, 2 * D]``), causal."""
+def reference(query, kv_cache, qsl, seq_lens, block_table, scale: float, isa: str = "vec") -> torch.Tensor:
+    """vLLM's kernel on the same rows (``kv_cache [num_blocks, Hkv, block_size, 2 * D]`` in layout ``isa``),
+    causal."""
     import vllm._custom_ops as ops
+    if isa == "amx":  # the process asks Linux for the AMX tile state first (vLLM's worker does), else SIGILL
+        torch.cpu._init_amx()
     nb, hkv, bs, two_d = kv_cache.shape
     kc, vc = kv_cache.view(nb, hkv, 2 * bs, two_d // 2).chunk(2, dim=2)
     out = torch.empty_like(query)
@@ -104,21 +129,23 @@ def reference(query, kv_cache, qsl, seq_lens, block_table, scale: float, isa: st
 
 
 def multirow(query, kv_cache, qsl, seq_lens, block_table, scale: float, reqs: torch.Tensor | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel on ``query [T, H, D]`` over ``kv_cache [num_blocks, Hkv, block_size, 2 * D]``: the rows of the
-    requests ``reqs`` (int32 indices; None: all) into ``out`` (None: a new tensor; other rows left as they are)."""
+             out: torch.Tensor | None = None, isa: str = "vec") -> torch.Tensor:
+    """The kernel on ``query [T, H, D]`` over ``kv_cache [num_blocks, Hkv, block_size, 2 * D]`` in layout ``isa``
+    (one of :data:`LAYOUTS`): the rows of the requests ``reqs`` (int32 indices; None: all) into ``out`` (None: a
+    new tensor; other rows left as they are)."""
     nb, hkv = kv_cache.shape[:2]
     out = torch.empty_like(query) if out is None else out
     if reqs is None:
         reqs = torch.arange(len(seq_lens), dtype=torch.int32)
-    kernel()(query, kv_cache.view(nb, hkv, -1), qsl, seq_lens, block_table, reqs, float(scale), out)
+    kernel(isa)(query, kv_cache.view(nb, hkv, -1), qsl, seq_lens, block_table, reqs, float(scale), out)
     return out
 
 
 def random_batch(dtype: torch.dtype, contexts: list[int], rows: list[int], heads: int = 9, kv_heads: int = 3,
-                 head_dim: int = 64, block_size: int = 128, seed: int = 0):
-    """A paged cache written by vLLM's ``cpu_attn_reshape_and_cache`` and query rows for ``len(contexts)``
-    requests of ``rows[i]`` rows after ``contexts[i]`` tokens: ``(query, kv_cache, qsl, seq_lens, block_table)``."""
+                 head_dim: int = 64, block_size: int = 128, seed: int = 0, isa: str = "vec"):
+    """A paged cache in layout ``isa`` written by vLLM's ``cpu_attn_reshape_and_cache`` and query rows for
+    ``len(contexts)`` requests of ``rows[i]`` rows after ``contexts[i]`` tokens: ``(query, kv_cache, qsl, seq_lens,
+    block_table)``."""
     import vllm._custom_ops as ops
     g = torch.Generator().manual_seed(seed)
     seqs = [c + r for c, r in zip(contexts, rows)]
@@ -131,7 +158,7 @@ def random_batch(dtype: torch.dtype, contexts: list[int], rows: list[int], heads
     slots = torch.cat([table[b, torch.arange(s) // block_size].long() * block_size + torch.arange(s) % block_size
                        for b, s in enumerate(seqs)])
     kc, vc = cache.view(n * per, kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, SUPPORTED_ISA)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
     qsl = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32)
     query = torch.randn(int(qsl[-1]), heads, head_dim, generator=g).to(dtype)
     return query, cache, qsl, torch.tensor(seqs, dtype=torch.int32), table
@@ -142,13 +169,14 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
 def self_check(dtype: torch.dtype) -> str | None:
-    """The kernel against vLLM's on a small random batch (several contexts and row counts); None when they agree
-    within :data:`TOLERANCE`, else why not."""
-    batch = random_batch(dtype, [5, 300, 129, 1000, 127], [2, 1, 3, 4, 8])
+    """The kernel against vLLM's on a small random batch (several contexts and row counts) in this machine's layout
+    for ``dtype``; None when they agree within :data:`TOLERANCE`, else why not."""
+    isa = layout(dtype)
+    batch = random_batch(dtype, [5, 300, 129, 1000, 127], [2, 1, 3, 4, 8], isa=isa)
     scale = 0.125
-    diff = (multirow(*batch, scale).float() - reference(*batch, scale).float()).abs().max().item()
+    diff = (multirow(*batch, scale, isa=isa).float() - reference(*batch, scale, isa=isa).float()).abs().max().item()
     if not diff <= TOLERANCE[dtype]:
-        return f"its start-up check differed from vLLM's kernel by {diff:.3g} ({dtype})"
+        return f"its start-up check differed from vLLM's kernel by {diff:.3g} ({dtype}, '{isa}' layout)"
     return None
 
 
@@ -209,11 +237,13 @@ def plan(attn_metadata, impl, isa: str, dtype: torch.dtype, verifying=None) -> S
 
 def serves(impl, layer, kv_cache: torch.Tensor) -> bool:
     """Whether this layer's attention can take the kernel at all (same every step)."""
+    isa = getattr(layer, "isa", None)
     return (getattr(impl, "entmtp_verify", False) and KERNEL.module is not None
-            and getattr(layer, "isa", None) == SUPPORTED_ISA and impl.alibi_slopes is None
+            and isa in LAYOUTS and impl.alibi_slopes is None
             and impl.sliding_window == -1 and not impl.logits_soft_cap and impl.sinks is None
             and impl.kv_cache_dtype == "auto" and kv_cache.is_contiguous()
-            and impl.head_size in (64, 128) and kv_cache.shape[2] % 16 == 0)
+            and impl.head_size in (64, 128) and kv_cache.shape[2] % BLOCK_MULTIPLE[isa] == 0
+            and (isa != "amx" or kv_cache.dtype == torch.bfloat16))
 
 
 def forward(impl, layer, query: torch.Tensor, kv_cache: torch.Tensor, split: Split, output: torch.Tensor,
@@ -235,7 +265,8 @@ def forward(impl, layer, query: torch.Tensor, kv_cache: torch.Tensor, split: Spl
             softcap=0.0, scheduler_metadata=split.md_v, s_aux=None, dynamic_causal=None,
             k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype)
         out.index_copy_(0, split.rows_v, ov)
-    multirow(q, kv_cache, split.qsl, split.seq_lens, split.table, impl.scale, reqs=split.reqs_m, out=out)
+    multirow(q, kv_cache, split.qsl, split.seq_lens, split.table, impl.scale, reqs=split.reqs_m, out=out,
+             isa=layer.isa)
 
 
 KERNEL = cpp_build.BuiltKernel(NAME, SOURCE, _unavailable, self_check, "verification attention by vLLM's kernel")

@@ -27,7 +27,9 @@ from vllm.v1.attention.backends.cpu_attn import AttentionType, CPUAttentionBacke
 
 from vllm_entmtp import verify_attention
 from vllm_entmtp.step import STEP
-from vllm_entmtp.verify_attention import SUPPORTED_ISA  # the KV layout both of the plugin's attention paths read
+
+#: The KV layout the tree-row fix reads (the verification kernel reads more: ``verify_attention.LAYOUTS``).
+SUPPORTED_ISA = "vec"
 
 
 def tree_rows_plan(block_ids: torch.Tensor, seq_len: int, num_rows: int, mask: torch.Tensor, rows: list[int],

@@ -114,8 +114,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--repeats must be >= 1")
     if args.block_size < 1:
         ap.error("--block-size must be >= 1")
-    if "entmtp" in kernels and args.block_size % 32:
-        ap.error("--kernels entmtp needs a --block-size that is a multiple of 32 (16 would do on 'vec')")
 
     import torch
     from vllm import _custom_ops as ops
@@ -132,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     bs = args.block_size
     if "entmtp" in kernels:
         from vllm_entmtp import verify_attention
+        if isa not in verify_attention.LAYOUTS:
+            ap.error(f"--kernels entmtp: the kernel does not read vLLM's '{isa}' KV layout, which it uses here")
+        if bs % verify_attention.BLOCK_MULTIPLE[isa]:
+            ap.error(f"--kernels entmtp on vLLM's '{isa}' KV layout needs a --block-size that is a multiple of "
+                     f"{verify_attention.BLOCK_MULTIPLE[isa]}")
         if not verify_attention.load(dtype):
             print(f"error: the verification kernel does not serve here: {verify_attention.why_not()}",
                   file=sys.stderr)

@@ -187,8 +187,9 @@ void multirow_attention(torch::Tensor query, torch::Tensor cache, torch::Tensor 
 // query unscaled, the scale on the logits, as vLLM's kernel), the online softmax runs in AVX-512 on the logits and
 // rounds the probabilities to bfloat16 (as vLLM's), PV a tile product per 16 head elements and 32 tokens into
 // float32 accumulators. The unit does the same work for 1 and 16 vectors, so extra rows cost little: on a 2-core
-// Xeon with AMX (32 requests, 1,000 tokens of context, 30 layers, one thread) 67.2 / 72.9 / 76.9 / 83.0 ms for 1-4
-// rows a request against vLLM's 70.3 / 157.1 / 163.7 / 166.8 (benchmarks/attention_rows.py --kernels vllm,entmtp).
+// Xeon with AMX (32 requests, 1,000 tokens of context, 30 layers, one thread) 63.3 / 69.4 / 74.6 / 78.2 ms for 1-4
+// rows a request against vLLM's 67.1 / 148.7 / 153.2 / 158.5 (benchmarks/attention_rows.py --kernels vllm,entmtp;
+// benchmarks/results/amx-kernel-2026-12-06/).
 #define AMX_TILES_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,amx-tile,amx-bf16")))
 struct TileConfig {
   uint8_t palette_id = 1;

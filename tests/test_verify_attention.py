@@ -61,16 +61,16 @@ def test_a_step_is_split_by_rows_and_mixed_steps_compute_both_parts(kernel):
     md = _metadata(qsl.tolist(), seq.tolist(), table)
     split = va.plan(md, impl, "vec", dtype)
     q = qsl.tolist()
-    assert split.reqs_m.tolist() == [1, 4]
-    assert split.rows_v.tolist() == [q[0], q[2], *range(q[3], q[4])] and split.qsl_v.tolist() == [0, 1, 2, 19]
-    assert split.seq_v.tolist() == [301, 130, 617] and torch.equal(split.table_v, table[[0, 2, 3]])
+    assert split.reqs_m.tolist() == [0, 1, 2, 4]  # the requests of one row join those verifying drafts
+    assert split.rows_v.tolist() == list(range(q[3], q[4])) and split.qsl_v.tolist() == [0, 17]
+    assert split.seq_v.tolist() == [617] and torch.equal(split.table_v, table[[3]])
     layer = types.SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, isa="vec")
     out = torch.full_like(query, float("nan"))
     va.forward(impl, layer, query, cache, split, out, int(qsl[-1]))
     whole = va.reference(query, cache, qsl, seq, table, 0.125)
     assert not out.isnan().any()
     assert (out - whole).abs().max().item() <= 1e-4
-    # the requests of one row and the long chunk are vLLM's kernel's own results on their rows
+    # the long chunk is vLLM's kernel's own result on its rows
     assert torch.equal(out[split.rows_v], va.reference(query[split.rows_v].contiguous(), cache, split.qsl_v,
                                                        split.seq_v, split.table_v, 0.125))
 
@@ -81,10 +81,13 @@ def test_only_requests_that_verify_draft_tokens_take_the_kernel(kernel):
     impl = types.SimpleNamespace(num_heads=9, num_kv_heads=3, head_size=64, kv_cache_dtype="auto")
     table = torch.zeros(3, 4, dtype=torch.int32)
     md = _metadata([0, 3, 4, 7], [3, 20, 30], table)  # a new prompt of 3 tokens, one decode, one verifying 2
-    assert va.plan(md, impl, "vec", torch.float32, verifying={2}).reqs_m.tolist() == [2]
-    assert va.plan(md, impl, "vec", torch.float32, verifying={2}).qsl_v.tolist() == [0, 3, 4]
+    split = va.plan(md, impl, "vec", torch.float32, verifying={2})
+    assert split.reqs_m.tolist() == [1, 2]  # the one decoding joins the one verifying; the prompt stays on vLLM's
+    assert split.rows_v.tolist() == [0, 1, 2] and split.qsl_v.tolist() == [0, 3]
     assert va.plan(md, impl, "vec", torch.float32, verifying=set()) is None  # nobody verifies: vLLM's alone
-    assert va.plan(md, impl, "vec", torch.float32).reqs_m.tolist() == [0, 2]  # by rows alone
+    assert va.plan(md, impl, "vec", torch.float32).reqs_m.tolist() == [0, 1, 2]  # by rows alone
+    md = _metadata([0, 1, 2, 3], [10, 20, 30], table)
+    assert va.plan(md, impl, "vec", torch.float32, verifying={1}) is None  # a verifying request of one row: none
 
 
 def test_steps_the_kernel_leaves_to_vllm(kernel):

@@ -15,9 +15,13 @@ query rows and all query heads of a KV head, on both of vLLM's x86 layouts:
   1-4 rows a request at 300 tokens of context and 67.1 / 148.7 / 153.2 / 158.5 at 1,000; this kernel 22.5 / 24.8 /
   26.1 / 28.1 and 63.3 / 69.4 / 74.6 / 78.2 (``benchmarks/results/amx-kernel-2026-12-06/``).
 
-Only the requests that verify draft tokens this step (``verifying``: vLLM scheduled draft tokens for them) with 2 to
-:data:`MAX_ROWS` query rows take it; the other requests of the step (one row each, prompt chunks) run vLLM's kernel
-as a batch of their own, so a step that verifies no draft token runs vLLM's kernel alone, as plain decoding does.
+In a step where some requests verify draft tokens (``verifying``: vLLM scheduled draft tokens for them) with 2 to
+:data:`MAX_ROWS` query rows, those and the requests of one row take it; the rest (prompt chunks) run vLLM's kernel as
+a batch of their own, and a step that verifies no draft token runs vLLM's kernel alone, as plain decoding does. The
+one-row requests join because two kernels in one step cost more than one: on the 2-core Xeon with AMX (bfloat16, 30
+layers, 32 requests, 600 tokens of context, one thread; 2026-12-06) vLLM's kernel took 48.0 ms for a row each, the
+step with 5 requests of 2 rows 52.2 ms split between the kernels and 44.6 ms with every request on this one (16
+requests at 200 tokens: 10.0, 12.0 and 9.6 ms).
 Where the kernel does not apply (no AVX-512F, no C++ compiler or ninja, a KV layout other than these two, sliding
 windows, ALiBi, soft-capping, sinks, an fp8 KV cache, head sizes other than 64 and 128, a non-causal step) vLLM's
 kernel runs everything. Its output differs from vLLM's kernel by rounding (the sums run in another order: on
@@ -185,8 +189,8 @@ def self_check(dtype: torch.dtype) -> str | None:
 
 @dataclass
 class Split:
-    """One step's requests by kernel (the same for every layer of the step): the kernel's requests (2 to
-    :data:`MAX_ROWS` rows; ``reqs_m``, read and written in place in the step's batch: ``qsl``, ``seq_lens``,
+    """One step's requests by kernel (the same for every layer of the step): the kernel's requests (those verifying
+    draft tokens with 2 to :data:`MAX_ROWS` rows and those of one row; ``reqs_m``, read and written in place in the step's batch: ``qsl``, ``seq_lens``,
     ``table``) and vLLM's (the rest, None where there are none) as a batch of their own: its query rows, ``qsl``,
     ``seq_lens``, block table and vLLM's scheduler metadata."""
     reqs_m: torch.Tensor
@@ -204,7 +208,8 @@ def plan(attn_metadata, impl, isa: str, dtype: torch.dtype, verifying=None) -> S
     """The step's :class:`Split`, or None where every request runs vLLM's kernel (no request verifying draft
     tokens with 2 to :data:`MAX_ROWS` rows, or a step the kernel does not serve). ``verifying``: the batch indices
     of the requests that verify draft tokens this step (the attention override passes the step's); None: every
-    request of 2 to :data:`MAX_ROWS` rows."""
+    request of 2 to :data:`MAX_ROWS` rows. Where some request takes the kernel, so do the requests of one row
+    (module docstring)."""
     if attn_metadata.causal is not True or attn_metadata.dynamic_causal is not None:
         return None
     if verifying is not None and not verifying:
@@ -215,6 +220,8 @@ def plan(attn_metadata, impl, isa: str, dtype: torch.dtype, verifying=None) -> S
     multi = [b for b in range(n) if 2 <= qsl[b + 1] - qsl[b] <= MAX_ROWS and (verifying is None or b in verifying)]
     if not multi:
         return None
+    verify = set(multi)
+    multi = [b for b in range(n) if b in verify or qsl[b + 1] - qsl[b] == 1]
     i32 = torch.int32
     seq_lens, table = attn_metadata.seq_lens, attn_metadata.block_table
     split = Split(torch.tensor(multi, dtype=i32), qsl_t.to(i32).contiguous(), seq_lens.to(i32).contiguous(),

@@ -19,9 +19,9 @@ In a step where some requests verify draft tokens (``verifying``: vLLM scheduled
 :data:`MAX_ROWS` query rows, those and the requests of one row take it; the rest (prompt chunks) run vLLM's kernel as
 a batch of their own, and a step that verifies no draft token runs vLLM's kernel alone, as plain decoding does. The
 one-row requests join because two kernels in one step cost more than one: on the 2-core Xeon with AMX (bfloat16, 30
-layers, 32 requests, 600 tokens of context, one thread; 2026-12-06) vLLM's kernel took 48.0 ms for a row each, the
-step with 5 requests of 2 rows 52.2 ms split between the kernels and 44.6 ms with every request on this one (16
-requests at 200 tokens: 10.0, 12.0 and 9.6 ms).
+layers, one thread; ``benchmarks/attention_split.py``, 2026-12-06) 32 requests at 600 tokens of context, 5 of them
+verifying one draft token, took 49.9 ms split between the kernels and 43.8 ms with every request on this one, where
+vLLM's kernel took 44.2 ms for a row each (16 requests at 200 tokens: 8.7, 7.6 and 9.1 ms).
 Where the kernel does not apply (no AVX-512F, no C++ compiler or ninja, a KV layout other than these two, sliding
 windows, ALiBi, soft-capping, sinks, an fp8 KV cache, head sizes other than 64 and 128, a non-causal step) vLLM's
 kernel runs everything. Its output differs from vLLM's kernel by rounding (the sums run in another order: on

@@ -27,7 +27,8 @@ on a 2-core CPU ran its worker on one thread here).
 
 ``--kernels vllm,entmtp`` times the plugin's kernel for requests that verify draft tokens
 (:mod:`vllm_entmtp.verify_attention`, which the override runs for requests of 2 to 16 rows) on the same caches and
-rows, every request through it (in a step, requests of one row stay on vLLM's kernel).
+rows, every request through it (in a step that verifies drafts, the requests of one row take it too, prompt
+chunks stay on vLLM's kernel: ``attention_split.py`` times such steps).
 """
 from __future__ import annotations
 

@@ -19,7 +19,9 @@ values, as ``attention_rows.py``), timed three ways:
 
 With ``K = 0`` the override leaves the step to vLLM's kernel (a step without drafts runs as plain decoding), so
 only ``vllm`` is timed. Run with the engine's thread count (``vllm serve`` on a 2-core CPU ran its worker on one
-thread). Medians over ``--repeats`` passes, row counts in random order.
+thread). vLLM's kernel is called without splitting a request's context among threads (``enable_kv_split=False``,
+as ``attention_rows.py``; the engine follows ``VLLM_CPU_ATTN_SPLIT_KV``, which matters with more than one thread).
+Medians over ``--repeats`` passes, the ways in random order.
 """
 from __future__ import annotations
 

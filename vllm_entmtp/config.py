@@ -134,8 +134,9 @@ class EntMTPConfig(BaseModel):
         description="The attention of requests that verify draft tokens on vLLM's CPU backend. 'auto' "
                     "(default): the plugin's kernel (vllm_entmtp/kernels/verify_attention.cpp, built at start-up "
                     "with the machine's C++ compiler, checked against vLLM's kernel), which reads a request's "
-                    "context once for all its rows, where the CPU has AVX-512 and vLLM's KV layout is 'vec'; "
-                    "vLLM's kernel elsewhere and for every request with one row. 'vllm': vLLM's kernel for all.")
+                    "context once for all its rows, where the CPU has AVX-512 and vLLM's KV layout is 'vec' or "
+                    "'amx'; in a step that verifies drafts the requests of one row take it too, prompt chunks of "
+                    "more tokens and steps without drafts take vLLM's kernel. 'vllm': vLLM's kernel for all.")
 
     heads_kernel: Literal["auto", "torch"] = Field(
         default="auto",

@@ -1,4 +1,5 @@
-// The attention of requests that verify draft tokens (2 or more query rows each), on vLLM's CPU paged KV cache in
+// The attention of requests that verify draft tokens (2 or more query rows each; in such a step the requests of
+// one row too), on vLLM's CPU paged KV cache in
 // its ``vec`` layout (per block and KV head: K transposed ``[head_dim, block_size]``, then V ``[block_size,
 // head_dim]``), causal. Each request's K/V blocks are read once for all its query rows and all query heads of a KV
 // head, the dot-product and weighted-sum accumulators in registers. On the project's 2-core EPYC (bfloat16, one

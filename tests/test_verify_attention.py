@@ -82,7 +82,8 @@ def test_only_requests_that_verify_draft_tokens_take_the_kernel(kernel):
     table = torch.zeros(3, 4, dtype=torch.int32)
     md = _metadata([0, 3, 4, 7], [3, 20, 30], table)  # a new prompt of 3 tokens, one decode, one verifying 2
     split = va.plan(md, impl, "vec", torch.float32, verifying={2})
-    assert split.reqs_m.tolist() == [1, 2]  # the one decoding joins the one verifying; the 3-token prompt stays on vLLM's
+    # the one decoding joins the one verifying; the 3-token prompt stays on vLLM's
+    assert split.reqs_m.tolist() == [1, 2]
     assert split.rows_v.tolist() == [0, 1, 2] and split.qsl_v.tolist() == [0, 3]
     assert va.plan(md, impl, "vec", torch.float32, verifying=set()) is None  # nobody verifies: vLLM's alone
     assert va.plan(md, impl, "vec", torch.float32).reqs_m.tolist() == [0, 1, 2]  # by rows alone

@@ -16,14 +16,14 @@ query rows and all query heads of a KV head, on both of vLLM's x86 layouts:
   26.1 / 28.1 and 63.3 / 69.4 / 74.6 / 78.2 (``benchmarks/results/amx-kernel-2026-12-06/``).
 
 In a step where some requests verify draft tokens (``verifying``: vLLM scheduled draft tokens for them) with 2 to
-:data:`MAX_ROWS` query rows, those and the requests of one row take it; the rest (prompt chunks of more than one token,
-requests of more rows) run vLLM's kernel as a batch of their own, and a step that verifies no draft token runs vLLM's
-kernel alone, as plain decoding does. The
-one-row requests join because two kernels in one step cost more than one: on the 2-core Xeon with AMX (bfloat16, 30
-layers, one thread; ``benchmarks/attention_split.py``, 2026-12-06) 32 requests at 600 tokens of context, 5 of them
-verifying one draft token, took 49.9 ms split between the kernels and 43.8 ms with every request on this one, where
-vLLM's kernel took 44.2 ms for a row each (16 requests at 200 tokens: 8.7, 7.6 and 9.1 ms). In bfloat16 a request
-that does not draft may so round differently from plain decoding in a step where others draft.
+:data:`MAX_ROWS` query rows, those and the requests of one row take it; the rest (prompt chunks of more than one
+token, requests of more rows) run vLLM's kernel as a batch of their own, and a step that verifies no draft token
+runs vLLM's kernel alone, as plain decoding does. The one-row requests join because two kernels in one step cost
+more than one: on the 2-core Xeon with AMX (bfloat16, 30 layers, one thread; ``benchmarks/attention_split.py``,
+2026-12-06) 32 requests at 600 tokens of context, 5 of them verifying one draft token, took 49.9 ms split between
+the kernels and 43.8 ms with every request on this one, where vLLM's kernel took 44.2 ms for a row each (16
+requests at 200 tokens: 8.7, 7.6 and 9.1 ms). In bfloat16 a request that does not draft may so round differently
+from plain decoding in a step where others draft.
 Where the kernel does not apply (no AVX-512F, no C++ compiler or ninja, a KV layout other than these two, sliding
 windows, ALiBi, soft-capping, sinks, an fp8 KV cache, head sizes other than 64 and 128, a non-causal step) vLLM's
 kernel runs everything. Its output differs from vLLM's kernel by rounding (the sums run in another order: on
@@ -193,8 +193,8 @@ def self_check(dtype: torch.dtype) -> str | None:
 class Split:
     """One step's requests by kernel (the same for every layer of the step): the kernel's requests (those
     verifying draft tokens with 2 to :data:`MAX_ROWS` rows and those of one row; ``reqs_m``, read and written in
-    place in the step's batch: ``qsl``, ``seq_lens``, ``table``) and vLLM's (the rest, None where there are none) as a batch of their own: its query rows, ``qsl``,
-    ``seq_lens``, block table and vLLM's scheduler metadata."""
+    place in the step's batch: ``qsl``, ``seq_lens``, ``table``) and vLLM's (the rest, None where there are none)
+    as a batch of their own: its query rows, ``qsl``, ``seq_lens``, block table and vLLM's scheduler metadata."""
     reqs_m: torch.Tensor
     qsl: torch.Tensor
     seq_lens: torch.Tensor

@@ -46,7 +46,7 @@ def step_rows(requests: int, verifying: int) -> list[int]:
     return [2] * verifying + [1] * (requests - verifying)
 
 
-def make_step(torch, va, ops, isa: str, dtype, heads: int, kv_heads: int, head_dim: int, layers: int,
+def make_step(torch, va, isa: str, dtype, heads: int, kv_heads: int, head_dim: int, layers: int,
               requests: int, verifying: int, context: int, block_size: int = 128) -> dict:
     """The three ways of one step's attention as callables (``vllm``, ``split``, ``entmtp``; the last two only
     with ``verifying > 0``), each writing its output into ``out`` (returned with them)."""
@@ -58,23 +58,10 @@ def make_step(torch, va, ops, isa: str, dtype, heads: int, kv_heads: int, head_d
     scale = head_dim ** -0.5
     out = {w: torch.empty_like(query) for w in WAYS}
 
-    def vllm_call(q, kv, qsl_, seq_, table_, o, md):
-        nb = kv.shape[0]
-        kc, vc = kv.view(nb, kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
-        ops.cpu_attention_with_kv_cache(query=q, key_cache=kc, value_cache=vc, output=o, query_start_loc=qsl_,
-                                        seq_lens=seq_, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
-                                        block_table=table_, softcap=0.0, scheduler_metadata=md, s_aux=None)
-
-    def metadata(n, seq_, qsl_):
-        return ops.cpu_attn_get_scheduler_metadata(num_reqs=n, num_heads=heads, num_kv_heads=kv_heads,
-                                                   head_dim=head_dim, seq_lens=seq_, dtype=dtype,
-                                                   query_start_loc=qsl_, causal=True, sliding_window_size=-1,
-                                                   isa=isa, enable_kv_split=False)
-
     def run_vllm():
-        md = metadata(requests, seq, qsl)
+        md = va.vllm_metadata(heads, kv_heads, head_dim, seq, qsl, dtype, isa)
         for kv in caches:
-            vllm_call(query, kv, qsl, seq, table, out["vllm"], md)
+            va.vllm_kernel(query, kv, qsl, seq, table, scale, md, out["vllm"])
 
     ways = {"vllm": run_vllm}
     if verifying:
@@ -85,11 +72,11 @@ def make_step(torch, va, ops, isa: str, dtype, heads: int, kv_heads: int, head_d
         seq_v, table_v = seq[verifying:].contiguous(), table[verifying:].contiguous()
 
         def run_split():  # the override before 5b8ef55: vLLM's kernel for the one-row requests, then the plugin's
-            md = metadata(len(rest), seq_v, qsl_v) if rest else None
+            md = va.vllm_metadata(heads, kv_heads, head_dim, seq_v, qsl_v, dtype, isa) if rest else None
             for kv in caches:
                 if rest:
                     ov = torch.empty(len(rest), heads, head_dim, dtype=dtype)
-                    vllm_call(query.index_select(0, rows_v), kv, qsl_v, seq_v, table_v, ov, md)
+                    va.vllm_kernel(query.index_select(0, rows_v), kv, qsl_v, seq_v, table_v, scale, md, ov)
                     out["split"].index_copy_(0, rows_v, ov)
                 va.multirow(query, kv, qsl, seq, table, scale, reqs=multi, out=out["split"], isa=isa)
 
@@ -119,9 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     try:
-        requests, verifying, contexts = (parse_counts(getattr(args, k), k) if k != "verifying" else
-                                         sorted({int(x) for x in args.verifying.split(",") if x.strip()})
-                                         for k in ("requests", "verifying", "contexts"))
+        requests, contexts = parse_counts(args.requests, "requests"), parse_counts(args.contexts, "contexts")
+        verifying = sorted({int(x) for x in args.verifying.split(",") if x.strip()})
     except ValueError as e:
         ap.error(str(e))
     if args.repeats < 1:
@@ -130,7 +116,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--verifying: counts must be >= 0")
 
     import torch
-    from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from vllm_entmtp import verify_attention as va
@@ -150,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in requests:
         for ctx in contexts:
             for k in (k for k in verifying if k <= n):
-                step = make_step(torch, va, ops, isa, dtype, heads, kv_heads, head_dim, layers, n, k, ctx)
+                step = make_step(torch, va, isa, dtype, heads, kv_heads, head_dim, layers, n, k, ctx)
                 names = list(step["ways"])
                 ms = median_ms(lambda w: step["ways"][w](), names, args.repeats)
                 for w in names:

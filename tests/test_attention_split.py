@@ -19,8 +19,7 @@ def test_the_first_requests_verify_and_the_rest_decode():
 def test_the_three_ways_compute_the_same_attention():
     if not va.load(torch.float32):
         pytest.skip(f"the verification kernel does not serve this machine: {va.why_not()}")
-    from vllm import _custom_ops as ops
-    step = sp.make_step(torch, va, ops, "vec", torch.float32, heads=9, kv_heads=3, head_dim=64, layers=2,
+    step = sp.make_step(torch, va, "vec", torch.float32, heads=9, kv_heads=3, head_dim=64, layers=2,
                         requests=5, verifying=2, context=150)
     assert set(step["ways"]) == {"vllm", "split", "entmtp"}
     for run in step["ways"].values():
@@ -29,6 +28,6 @@ def test_the_three_ways_compute_the_same_attention():
     assert (out["split"] - out["vllm"]).abs().max().item() <= 1e-4
     assert (out["entmtp"] - out["vllm"]).abs().max().item() <= 1e-4
     assert not torch.equal(out["entmtp"], out["split"])  # the one-row requests ran another kernel
-    only_vllm = sp.make_step(torch, va, ops, "vec", torch.float32, heads=9, kv_heads=3, head_dim=64, layers=1,
+    only_vllm = sp.make_step(torch, va, "vec", torch.float32, heads=9, kv_heads=3, head_dim=64, layers=1,
                              requests=3, verifying=0, context=40)
     assert set(only_vllm["ways"]) == {"vllm"}  # a step without drafts runs vLLM's kernel alone

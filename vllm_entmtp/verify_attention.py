@@ -114,23 +114,39 @@ def layer_limits(impl, layout: str, block_size: int) -> str | None:
     return None
 
 
+def vllm_metadata(num_heads: int, num_kv_heads: int, head_dim: int, seq_lens, qsl, dtype: torch.dtype, isa: str,
+                  kv_split: bool = False, kv_cache_dtype: str = "auto") -> torch.Tensor:
+    """vLLM's scheduler metadata for a causal batch of ``len(seq_lens)`` requests
+    (``cpu_attn_get_scheduler_metadata``), built once per step and read by :func:`vllm_kernel` in every layer."""
+    import vllm._custom_ops as ops
+    return ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(seq_lens), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, seq_lens=seq_lens,
+        dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=kv_split,
+        dynamic_causal=None, kv_cache_dtype=kv_cache_dtype)
+
+
+def vllm_kernel(query, kv_cache, qsl, seq_lens, block_table, scale: float, metadata: torch.Tensor, out: torch.Tensor,
+                k_scale: float = 1.0, v_scale: float = 1.0, kv_cache_dtype: str = "auto") -> None:
+    """vLLM's kernel (``cpu_attention_with_kv_cache``) on ``query [T, H, D]`` over ``kv_cache [num_blocks, Hkv,
+    block_size, 2 * D]``, causal, into ``out``; ``metadata``: :func:`vllm_metadata` of the same batch."""
+    import vllm._custom_ops as ops
+    nb, hkv, bs, _ = kv_cache.shape
+    kc, vc = kv_cache.view(nb, hkv, 2 * bs, -1).chunk(2, dim=2)
+    ops.cpu_attention_with_kv_cache(
+        query=query, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl, seq_lens=seq_lens, scale=scale,
+        causal=True, alibi_slopes=None, sliding_window=-1, block_table=block_table, softcap=0.0,
+        scheduler_metadata=metadata, s_aux=None, dynamic_causal=None, k_scale=k_scale, v_scale=v_scale,
+        kv_cache_dtype=kv_cache_dtype)
+
+
 def reference(query, kv_cache, qsl, seq_lens, block_table, scale: float, isa: str = "vec") -> torch.Tensor:
     """vLLM's kernel on the same rows (``kv_cache [num_blocks, Hkv, block_size, 2 * D]`` in layout ``isa``),
     causal."""
-    import vllm._custom_ops as ops
     if isa == "amx":  # the process asks Linux for the AMX tile state first (vLLM's worker does), else SIGILL
         torch.cpu._init_amx()
-    nb, hkv, bs, two_d = kv_cache.shape
-    kc, vc = kv_cache.view(nb, hkv, 2 * bs, two_d // 2).chunk(2, dim=2)
     out = torch.empty_like(query)
-    md = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=len(seq_lens), num_heads=query.shape[1], num_kv_heads=hkv, head_dim=query.shape[2],
-        seq_lens=seq_lens, dtype=query.dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
-        enable_kv_split=False)
-    ops.cpu_attention_with_kv_cache(query=query, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl,
-                                    seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None,
-                                    sliding_window=-1, block_table=block_table, softcap=0.0,
-                                    scheduler_metadata=md, s_aux=None)
+    md = vllm_metadata(query.shape[1], kv_cache.shape[1], query.shape[2], seq_lens, qsl, query.dtype, isa)
+    vllm_kernel(query, kv_cache, qsl, seq_lens, block_table, scale, md, out)
     return out
 
 
@@ -232,18 +248,14 @@ def plan(attn_metadata, impl, isa: str, dtype: torch.dtype, verifying=None) -> S
     rest = [b for b in range(n) if b not in chosen]
     if not rest:
         return split
-    import vllm._custom_ops as ops
     import vllm.envs as envs
     counts = [qsl[b + 1] - qsl[b] for b in rest]
     split.rows_v = torch.cat([torch.arange(qsl[b], qsl[b + 1]) for b in rest])
     split.qsl_v = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=i32)
     sel = torch.tensor(rest)
     split.seq_v, split.table_v = split.seq_lens[sel].contiguous(), split.table[sel].contiguous()
-    split.md_v = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=len(rest), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads, head_dim=impl.head_size,
-        seq_lens=split.seq_v, dtype=dtype, query_start_loc=split.qsl_v, causal=True, sliding_window_size=-1,
-        isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
-        kv_cache_dtype=impl.kv_cache_dtype)
+    split.md_v = vllm_metadata(impl.num_heads, impl.num_kv_heads, impl.head_size, split.seq_v, split.qsl_v, dtype,
+                               isa, kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=impl.kv_cache_dtype)
     return split
 
 
@@ -262,20 +274,14 @@ def forward(impl, layer, query: torch.Tensor, kv_cache: torch.Tensor, split: Spl
             num_tokens: int) -> None:
     """One layer's attention of the step by :class:`Split`: vLLM's kernel for its batch, this kernel for the
     requests verifying draft tokens and those of one row; into ``output[:num_tokens]``."""
-    import vllm._custom_ops as ops
     h, d = impl.num_heads, impl.head_size
     q = query[:num_tokens].view(num_tokens, h, d)
     out = output[:num_tokens].view(num_tokens, h, d)
     if split.rows_v is not None:
-        nb, hkv, bs, _ = kv_cache.shape
-        kc, vc = kv_cache.view(nb, hkv, bs * 2, -1).chunk(2, dim=2)
         qv = q.index_select(0, split.rows_v)
         ov = torch.empty_like(qv)
-        ops.cpu_attention_with_kv_cache(
-            query=qv, key_cache=kc, value_cache=vc, output=ov, query_start_loc=split.qsl_v, seq_lens=split.seq_v,
-            scale=impl.scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=split.table_v,
-            softcap=0.0, scheduler_metadata=split.md_v, s_aux=None, dynamic_causal=None,
-            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype)
+        vllm_kernel(qv, kv_cache, split.qsl_v, split.seq_v, split.table_v, impl.scale, split.md_v, ov,
+                    k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=impl.kv_cache_dtype)
         out.index_copy_(0, split.rows_v, ov)
     multirow(q, kv_cache, split.qsl, split.seq_lens, split.table, impl.scale, reqs=split.reqs_m, out=out,
              isa=layer.isa)

@@ -29,6 +29,11 @@ from pathlib import Path
 LINE = re.compile(r"Iteration\((\d+)\): (\d+) context requests, (\d+) context tokens, (\d+) generation requests, "
                   r"(\d+) generation tokens, iteration elapsed time: ([\d.]+) ms(?! \(dummy\))")
 FIELDS = ("index", "ctx_requests", "ctx_tokens", "gen_requests", "gen_tokens")
+#: Steps with at least this many prompt tokens are read for the prompt's cost (:func:`summarize`): vLLM's default
+#: step budget on CPU is 2,048 tokens, so a burst of prompts runs in steps of about that many. Served on the AMX
+#: Xeon (2026-12-06, bfloat16, GSM8K at 32 running), entmtp's step of 22 prompts (2,045 tokens) took 1,022-1,042
+#: ms in both repeats where plain decoding's took 585-624 (``benchmarks/results/c32-recheck-amx-2026-12-07/``).
+LARGE_PREFILL = 1024
 
 
 def parse_iterations(lines) -> list[dict]:
@@ -52,11 +57,13 @@ def summarize(iterations: list[dict], requests: int) -> dict:
     """Steps that decoded exactly ``requests`` requests with no prompt tokens: ``no_draft`` (one token each) and
     ``drafted`` (draft tokens verified too; with their mean ``rows``), and the drafted ones by the step's number
     of draft tokens (``by_draft_tokens``); and the steps with prompt tokens (``prefill``: how many, their total
-    ms)."""
+    ms, their prompt tokens, and ms per 1,000 prompt tokens over those of :data:`LARGE_PREFILL` prompt tokens or
+    more, whose time the prompt decides more than the decoding rows riding along)."""
     decode = [it for it in iterations if it["ctx_tokens"] == 0 and it["gen_requests"] == requests]
     plain = [it["ms"] for it in decode if it["gen_tokens"] == requests]
     drafted = [it for it in decode if it["gen_tokens"] > requests]
-    prefill = [it["ms"] for it in iterations if it["ctx_tokens"] > 0]
+    prefill = [it for it in iterations if it["ctx_tokens"] > 0]
+    large = [it for it in prefill if it["ctx_tokens"] >= LARGE_PREFILL]
     by_k: dict[int, list[float]] = {}
     for it in drafted:
         by_k.setdefault(it["gen_tokens"] - requests, []).append(it["ms"])
@@ -64,7 +71,10 @@ def summarize(iterations: list[dict], requests: int) -> dict:
             "drafted": _stats([it["ms"] for it in drafted])
             | {"rows": round(statistics.mean(it["gen_tokens"] for it in drafted), 2) if drafted else None},
             "by_draft_tokens": {k: _stats(by_k[k]) for k in sorted(by_k)},
-            "prefill": {"steps": len(prefill), "total_ms": round(sum(prefill), 1)}}
+            "prefill": {"steps": len(prefill), "total_ms": round(sum(it["ms"] for it in prefill), 1),
+                        "ctx_tokens": sum(it["ctx_tokens"] for it in prefill), "large_steps": len(large),
+                        "large_ms_per_1k": round(1000 * sum(it["ms"] for it in large)
+                                                 / sum(it["ctx_tokens"] for it in large), 1) if large else None}}
 
 
 def format_table(results: dict[str, dict], requests: int) -> str:
@@ -72,11 +82,12 @@ def format_table(results: dict[str, dict], requests: int) -> str:
         return "-" if x is None else f"{x:.2f}"
 
     rows = [f"| log | steps | no draft: steps | median ms | mean ms | drafted: steps | median ms | rows | "
-            f"prefill steps |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            f"prefill steps | prefill ms | ms per 1k prompt tokens |", "|---" + "|---:" * 10 + "|"]
     for name, r in results.items():
-        nd, dr = r["no_draft"], r["drafted"]
+        nd, dr, pf = r["no_draft"], r["drafted"], r["prefill"]
         rows.append(f"| {name} | {r['iterations']} | {nd['steps']} | {cell(nd['median_ms'])} | {cell(nd['mean_ms'])} "
-                    f"| {dr['steps']} | {cell(dr['median_ms'])} | {cell(dr['rows'])} | {r['prefill']['steps']} |")
+                    f"| {dr['steps']} | {cell(dr['median_ms'])} | {cell(dr['rows'])} | {pf['steps']} | "
+                    f"{pf['total_ms']:.0f} | {'-' if pf['large_ms_per_1k'] is None else pf['large_ms_per_1k']} |")
     return f"Steps of {requests} decoding requests (no prompt tokens), by vLLM's iteration times\n\n" + "\n".join(rows)
 
 

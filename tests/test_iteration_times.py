@@ -55,7 +55,8 @@ def test_vllms_lines_are_read_and_like_steps_compared():
     assert s["no_draft"] == {"steps": 3, "median_ms": 22.0, "mean_ms": 24.0}
     assert s["drafted"] == {"steps": 1, "median_ms": 25.0, "mean_ms": 25.0, "rows": 5.0}
     assert s["by_draft_tokens"] == {3: {"steps": 1, "median_ms": 25.0, "mean_ms": 25.0}}
-    assert s["prefill"] == {"steps": 2, "total_ms": 147.5}
+    assert s["prefill"] == {"steps": 2, "total_ms": 147.5, "ctx_tokens": 156, "large_steps": 0,
+                            "large_ms_per_1k": None}
     assert it.summarize(its, 3)["no_draft"]["steps"] == 0
 
 
@@ -65,7 +66,7 @@ def test_cli_table_and_a_log_without_iteration_lines(tmp_path, capsys):
     bad.write_text("INFO nothing here\n")
     assert it.main([str(good), "--requests", "1"]) == 0
     out = capsys.readouterr().out
-    assert "| a.log | 2 | 1 | 10.00 | 10.00 | 1 | 12.00 | 3.00 | 0 |" in out
+    assert "| a.log | 2 | 1 | 10.00 | 10.00 | 1 | 12.00 | 3.00 | 0 | 0 | - |" in out
     assert it.main([str(good), str(bad)]) == 2
     assert "b.log has no iteration lines" in capsys.readouterr().err
 
@@ -94,3 +95,16 @@ def test_drafted_steps_by_draft_tokens_against_a_plain_log(tmp_path, capsys):
 def test_bad_requests(tmp_path, capsys):
     assert it.main([str(tmp_path / "x.log"), "--requests", "0"]) == 2
     assert "--requests must be >= 1" in capsys.readouterr().err
+
+
+def test_prompt_steps_of_a_burst_are_read_per_1000_prompt_tokens():
+    """Steps of LARGE_PREFILL prompt tokens or more give the prompt's cost per 1,000 tokens (their total ms over
+    their total prompt tokens); smaller prompt steps count in the totals only."""
+    its = it.parse_iterations(vllm_lines([(22, 2047, 1, 1, 600.0, False),   # a burst's prompts
+                                          (10, 959, 22, 22, 380.0, False),   # the rest, under LARGE_PREFILL
+                                          (31, 2000, 1, 1, 1000.0, False),
+                                          (0, 0, 32, 32, 60.0, False)]))
+    pf = it.summarize(its, 32)["prefill"]
+    assert it.LARGE_PREFILL == 1024
+    assert pf == {"steps": 3, "total_ms": 1980.0, "ctx_tokens": 5006, "large_steps": 2,
+                  "large_ms_per_1k": round(1000 * 1600.0 / 4047, 1)}

@@ -29,10 +29,12 @@ from pathlib import Path
 LINE = re.compile(r"Iteration\((\d+)\): (\d+) context requests, (\d+) context tokens, (\d+) generation requests, "
                   r"(\d+) generation tokens, iteration elapsed time: ([\d.]+) ms(?! \(dummy\))")
 FIELDS = ("index", "ctx_requests", "ctx_tokens", "gen_requests", "gen_tokens")
-#: Steps with at least this many prompt tokens are read for the prompt's cost (:func:`summarize`): vLLM's default
-#: step budget on CPU is 2,048 tokens, so a burst of prompts runs in steps of about that many. Served on the AMX
-#: Xeon (2026-12-06, bfloat16, GSM8K at 32 running), entmtp's step of 22 prompts (2,045 tokens) took 1,022-1,042
-#: ms in both repeats where plain decoding's took 585-624 (``benchmarks/results/c32-recheck-amx-2026-12-07/``).
+#: Steps with at least this many prompt tokens are read for the prompt's cost (:func:`summarize`): ``vllm serve``'s
+#: default step budget on CPU is 2,048 tokens, so a burst of prompts (or a long prompt) runs in steps of about that
+#: many. Served on the AMX Xeon (2026-12-06, bfloat16, GSM8K at 32 running,
+#: ``benchmarks/results/one-kernel-amx-2026-12-06/served-traced/``), entmtp's step of 22 prompts (2,045 and 2,047
+#: tokens) took 1,042 and 1,022 ms where plain decoding's took 624 and 585; in four such levels the next day it
+#: took 1.02-1.19x plain's: the slowness comes and goes (``benchmarks/results/c32-recheck-amx-2026-12-07/``).
 LARGE_PREFILL = 1024
 
 
@@ -57,8 +59,9 @@ def summarize(iterations: list[dict], requests: int) -> dict:
     """Steps that decoded exactly ``requests`` requests with no prompt tokens: ``no_draft`` (one token each) and
     ``drafted`` (draft tokens verified too; with their mean ``rows``), and the drafted ones by the step's number
     of draft tokens (``by_draft_tokens``); and the steps with prompt tokens (``prefill``: how many, their total
-    ms, their prompt tokens, and ms per 1,000 prompt tokens over those of :data:`LARGE_PREFILL` prompt tokens or
-    more, whose time the prompt decides more than the decoding rows riding along)."""
+    ms, their prompt tokens, how many have :data:`LARGE_PREFILL` prompt tokens or more (``large_steps``) and their
+    ms per 1,000 prompt tokens (``large_ms_per_1k``): the prompt decides their time more than the decoding rows
+    riding along)."""
     decode = [it for it in iterations if it["ctx_tokens"] == 0 and it["gen_requests"] == requests]
     plain = [it["ms"] for it in decode if it["gen_tokens"] == requests]
     drafted = [it for it in decode if it["gen_tokens"] > requests]

@@ -97,7 +97,7 @@ def test_bad_requests(tmp_path, capsys):
     assert "--requests must be >= 1" in capsys.readouterr().err
 
 
-def test_prompt_steps_of_a_burst_are_read_per_1000_prompt_tokens():
+def test_prompt_steps_of_a_burst_are_read_per_1000_prompt_tokens(tmp_path, capsys):
     """Steps of LARGE_PREFILL prompt tokens or more give the prompt's cost per 1,000 tokens (their total ms over
     their total prompt tokens); smaller prompt steps count in the totals only."""
     its = it.parse_iterations(vllm_lines([(22, 2047, 1, 1, 600.0, False),   # a burst's prompts
@@ -108,3 +108,7 @@ def test_prompt_steps_of_a_burst_are_read_per_1000_prompt_tokens():
     assert it.LARGE_PREFILL == 1024
     assert pf == {"steps": 3, "total_ms": 1980.0, "ctx_tokens": 5006, "large_steps": 2,
                   "large_ms_per_1k": round(1000 * 1600.0 / 4047, 1)}
+    log = tmp_path / "burst.log"
+    log.write_text("\n".join(vllm_lines([(22, 2000, 1, 1, 600.0, False), (0, 0, 32, 32, 60.0, False)])) + "\n")
+    assert it.main([str(log), "--requests", "32"]) == 0
+    assert "| burst.log | 2 | 1 | 60.00 | 60.00 | 0 | - | - | 1 | 600 | 300.0 |" in capsys.readouterr().out

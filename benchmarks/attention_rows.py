@@ -117,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--block-size must be >= 1")
 
     import torch
-    from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+    from vllm_entmtp import verify_attention
     from vllm_entmtp.models import prepare_default_model
 
     folder = Path(args.model) if args.model else prepare_default_model()
@@ -130,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.cpu._init_amx()
     bs = args.block_size
     if "entmtp" in kernels:
-        from vllm_entmtp import verify_attention
         if isa not in verify_attention.LAYOUTS:
             ap.error(f"--kernels entmtp: the kernel does not read vLLM's '{isa}' KV layout, which it uses here")
         if bs % verify_attention.BLOCK_MULTIPLE[isa]:
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             big = batch_layout(n, max(rows), ctx, bs)
             # one cache per layer, as the engine holds them (beyond the last-level cache, read from memory)
             full = [torch.randn(big["num_blocks"], kv_heads, bs * 2, head_dim, dtype=dtype) for _ in range(layers)]
-            caches = [c.chunk(2, dim=2) for c in full]
+            kvs = [c.view(big["num_blocks"], kv_heads, bs, 2 * head_dim) for c in full]  # vllm_kernel's view
             flat = [c.view(big["num_blocks"], kv_heads, -1) for c in full]  # the verification kernel's view
             every = torch.arange(n, dtype=torch.int32)  # the kernel computes every request
             calls = {}
@@ -161,16 +160,9 @@ def main(argv: list[str] | None = None) -> int:
 
             def step(r: int) -> None:
                 qsl, seq_lens, table, query, out = calls[r]
-                meta = ops.cpu_attn_get_scheduler_metadata(
-                    num_reqs=n, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, seq_lens=seq_lens,
-                    dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
-                    enable_kv_split=False)
-                for key_cache, value_cache in caches:
-                    ops.cpu_attention_with_kv_cache(
-                        query=query, key_cache=key_cache, value_cache=value_cache, output=out,
-                        query_start_loc=qsl, seq_lens=seq_lens, scale=head_dim ** -0.5, causal=True,
-                        alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
-                        scheduler_metadata=meta, s_aux=None)
+                meta = verify_attention.vllm_metadata(heads, kv_heads, head_dim, seq_lens, qsl, dtype, isa)
+                for kv in kvs:
+                    verify_attention.vllm_kernel(query, kv, qsl, seq_lens, table, head_dim ** -0.5, meta, out)
 
             def step_entmtp(r: int) -> None:
                 qsl, seq_lens, table, query, out = calls[r]

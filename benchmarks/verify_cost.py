@@ -34,9 +34,8 @@ def _time(fn, repeats: int) -> float:
 
 
 def main(argv=None) -> int:
-    from vllm import _custom_ops as ops
-
     from vllm_entmtp.patches.tree_attention import tree_rows_attention, tree_rows_plan
+    from vllm_entmtp.verify_attention import vllm_kernel, vllm_metadata
     from vllm_entmtp.trees import fix_rows_for
     from vllm_entmtp.trees import load_tree_set
 
@@ -62,7 +61,6 @@ def main(argv=None) -> int:
             seq = ctx + t
             nblk = (seq + BS - 1) // BS
             cache = torch.randn(nblk, HKV, BS, 2 * D).to(dtype)
-            kc, vc = cache.view(nblk, HKV, BS * 2, -1).chunk(2, dim=2)
             block_table = torch.arange(nblk, dtype=torch.int32).unsqueeze(0)
             q = torch.randn(t, H, D).to(dtype)
             out = torch.empty(t, H, D, dtype=dtype)
@@ -70,15 +68,8 @@ def main(argv=None) -> int:
             def kernel(rows):
                 qsl = torch.tensor([0, rows], dtype=torch.int32)
                 sl = torch.tensor([ctx + rows], dtype=torch.int32)
-                meta = ops.cpu_attn_get_scheduler_metadata(
-                    num_reqs=1, num_heads=H, num_kv_heads=HKV, head_dim=D, seq_lens=sl, dtype=dtype,
-                    query_start_loc=qsl, causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False,
-                    dynamic_causal=None, kv_cache_dtype="auto")
-                return lambda: ops.cpu_attention_with_kv_cache(
-                    query=q[:rows], key_cache=kc, value_cache=vc, output=out[:rows], query_start_loc=qsl,
-                    seq_lens=sl, scale=D ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
-                    block_table=block_table, softcap=0.0, scheduler_metadata=meta, s_aux=None,
-                    dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+                meta = vllm_metadata(H, HKV, D, sl, qsl, dtype, "vec")
+                return lambda: vllm_kernel(q[:rows], cache, qsl, sl, block_table, D ** -0.5, meta, out[:rows])
 
             mask, fix = tree.ancestor_mask(), fix_rows_for(tree.parents)
             decode = _time(kernel(1), args.repeats) * LAYERS * 1e3

@@ -6,7 +6,7 @@
 # command is tools/serve.sh, which ends in `exec vllm serve`: vLLM's server is PID 1. Its environment (HOST, PORT,
 # DTYPE, MEM_UTIL, VLLM_CPU_KVCACHE_SPACE, MODEL, SPECULATIVE_CONFIG, SERVE_ARGS) is listed in its header; DTYPE
 # left unset is chosen at start from the host's CPU flags. /cache keeps vLLM's torch.compile cache between runs, and
-# the plugin's verification attention kernel, built with g++ at the first start on a CPU with AVX-512.
+# the plugin's kernels, built with g++ at the first start (for AVX-512F or AVX2, by the CPU).
 # torch==2.13.0+cpu comes from PyTorch's CPU wheel index (PyPI's torch 2.13.0 is a CUDA build).
 # A GPU image: docker/gpu.Dockerfile.
 FROM python:3.11-slim

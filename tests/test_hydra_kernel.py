@@ -163,3 +163,35 @@ def test_the_start_up_log_says_why_heads_do_not_take_the_kernel():
     drafter = HydraDrafter(heads, lambda ids: w[ids], w, measure_kernels=True)
     assert drafter.level_weights is None
     assert drafter.describe_kernels().endswith("levels by torch's operators (hidden size 8 (a multiple of 16 only))")
+
+
+def test_the_kernels_isa_follows_the_cpu(monkeypatch):
+    # AVX-512F first; AVX2 with FMA without it; neither: no kernel, and the reason names both
+    flags = {"avx512": True, "avx2": True, "fma": True}
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: flags["avx512"])
+    monkeypatch.setattr(torch.cpu, "_is_avx2_supported", lambda: flags["avx2"])
+    monkeypatch.setattr(cpp_build, "_has_fma", lambda: flags["fma"])
+    assert cpp_build.isa() == "avx512"
+    flags["avx512"] = False
+    assert cpp_build.isa() == "avx2"
+    flags["fma"] = False
+    assert cpp_build.isa() is None
+    assert cpp_build.toolchain_missing() == "this CPU has neither AVX-512F nor AVX2 with FMA"
+    with pytest.raises(RuntimeError, match="neither AVX-512F nor AVX2"):
+        cpp_build.build(hydra_kernel.NAME, hydra_kernel.SOURCE)
+    assert set(cpp_build.ISA_FLAGS) == {"avx512", "avx2"}
+
+
+@pytest.mark.skipif(cpp_build.isa() != "avx512" or cpp_build.toolchain_missing() is not None,
+                    reason="the AVX2 build is the kernel of this machine (the tests above check it), or none builds")
+def test_the_avx2_build_gives_the_reference_level_on_an_avx512_cpu():
+    # CPUs with AVX-512 run AVX2 code too: the build AVX2-only CPUs take is checked here as well
+    mod = cpp_build.build(hydra_kernel.NAME, hydra_kernel.SOURCE, "avx2")
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (1, 4):
+            hidden, emb, wb, bb, wl, ids = hydra_kernel.random_level(dtype, n, 2, hidden=80, vocab=500,
+                                                                     draft_vocab=301, seed=n)
+            toks, p1 = mod.hydra_level(hidden, emb, wb, bb, wl, ids, 5, True)
+            ref_toks, ref_p1 = hydra_kernel.reference(hidden, emb, wb, bb, wl, ids, 5)
+            assert toks == ref_toks
+            assert p1 == pytest.approx(ref_p1, rel=1e-4, abs=1e-6)

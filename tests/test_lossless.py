@@ -321,8 +321,8 @@ def test_start_up_lines_reach_vllms_log(runs):
 
 
 def test_draft_rows_attend_through_the_plugins_kernel_where_it_serves(runs):
-    """Where the verification kernel serves (AVX-512, vLLM's 'vec' KV layout, a C++ compiler), the engines whose
-    output the tests above compare with plain decoding ran it for their draft rows (verify_attention 'auto');
+    """Where the verification kernel serves (AVX-512F or AVX2, vLLM's 'vec' KV layout, a C++ compiler), the engines
+    whose output the tests above compare with plain decoding ran it for their draft rows (verify_attention 'auto');
     elsewhere they ran vLLM's kernel and say why."""
     from vllm_entmtp import verify_attention
 

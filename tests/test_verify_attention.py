@@ -6,6 +6,7 @@ import types
 import pytest
 import torch
 
+from vllm_entmtp import cpp_build
 from vllm_entmtp import verify_attention as va
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -196,3 +197,20 @@ def test_the_amx_layout_kernel_refuses_what_the_layout_cannot_hold(amx_kernel):
     odd = torch.zeros(cache.shape[0], cache.shape[1], 48, cache.shape[3], dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         va.multirow(query, odd, qsl, seq, table, 0.125, isa="amx")
+
+
+@pytest.mark.skipif(cpp_build.isa() != "avx512" or cpp_build.toolchain_missing() is not None,
+                    reason="the AVX2 build is the kernel of this machine (the tests above check it), or none builds")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_avx2_build_equals_vllms_kernel_on_an_avx512_cpu(dtype):
+    # CPUs with AVX-512 run AVX2 code too: the build AVX2-only CPUs take is checked here on the 'vec' layout
+    mod = cpp_build.build(va.NAME, va.SOURCE, "avx2")
+    assert not hasattr(mod, "multirow_attention_amx")  # AMX tiles need AVX-512: that path is the AVX-512 build's
+    for head_dim, heads, kv_heads in ((64, 9, 3), (128, 8, 2)):
+        query, cache, qsl, seq, table = va.random_batch(dtype, [0, 15, 129, 300, 1000], [2, 1, 16, 5, 3],
+                                                        heads=heads, kv_heads=kv_heads, head_dim=head_dim, seed=7)
+        out = torch.empty_like(query)
+        reqs = torch.arange(len(seq), dtype=torch.int32)
+        mod.multirow_attention(query, cache.view(*cache.shape[:2], -1), qsl, seq, table, reqs, 0.1, out)
+        vllms = va.reference(query, cache, qsl, seq, table, 0.1).float()
+        assert (out.float() - vllms).abs().max().item() <= va.TOLERANCE[dtype]

@@ -134,16 +134,18 @@ class EntMTPConfig(BaseModel):
         description="The attention of requests that verify draft tokens on vLLM's CPU backend. 'auto' "
                     "(default): the plugin's kernel (vllm_entmtp/kernels/verify_attention.cpp, built at start-up "
                     "with the machine's C++ compiler, checked against vLLM's kernel), which reads a request's "
-                    "context once for all its rows, where the CPU has AVX-512 and vLLM's KV layout is 'vec' or "
-                    "'amx'; in a step that verifies drafts the requests of one row take it too, prompt chunks of "
-                    "more tokens and steps without drafts take vLLM's kernel. 'vllm': vLLM's kernel for all.")
+                    "context once for all its rows, where the CPU has AVX-512F or AVX2 with FMA and vLLM's KV "
+                    "layout is 'vec' or 'amx'; in a step that verifies drafts the requests of one row take it too, "
+                    "prompt chunks of more tokens and steps without drafts take vLLM's kernel. 'vllm': vLLM's "
+                    "kernel for all.")
 
     heads_kernel: Literal["auto", "torch"] = Field(
         default="auto",
         description="How a level of the Hydra heads over at most 4 paths runs. 'auto' (default): in one call of "
                     "the plugin's kernel (vllm_entmtp/kernels/hydra_level.cpp, built at start-up with the "
-                    "machine's C++ compiler, checked against a reference) where the CPU has AVX-512 and it timed "
-                    "faster than torch's operators at start-up. 'torch': torch's operators for every level.")
+                    "machine's C++ compiler, checked against a reference) where the CPU has AVX-512F or AVX2 "
+                    "with FMA and it timed faster than torch's operators at start-up. 'torch': torch's operators "
+                    "for every level.")
 
     @model_validator(mode="after")
     def _policy_needs_tree_set(self) -> EntMTPConfig:

@@ -22,11 +22,36 @@ KERNELS = Path(__file__).parent / "kernels"
 STALE_LOCK_S = 600
 
 
+def isa() -> str | None:
+    """The vector ISA the kernels are built for on this CPU: ``"avx512"`` (AVX-512F), ``"avx2"`` (AVX2 and FMA,
+    without AVX-512F), or None (neither: the kernels do not apply)."""
+    if torch.cpu._is_avx512_supported():
+        return "avx512"
+    if torch.cpu._is_avx2_supported() and _has_fma():
+        return "avx2"
+    return None
+
+
+def _has_fma() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "fma" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+#: The compiler's flags for each ISA of :func:`isa` (``kernels/simd.h`` picks its vectors by them).
+ISA_FLAGS = {"avx512": ["-mavx512f", "-mfma"], "avx2": ["-mavx2", "-mfma"]}
+
+
 def toolchain_missing() -> str | None:
-    """Why the AVX-512F kernels cannot be built and run here (None: they can): no AVX-512, no C++ compiler, no
-    ninja."""
-    if not torch.cpu._is_avx512_supported():
-        return "this CPU has no AVX-512"
+    """Why the kernels cannot be built and run here (None: they can): a CPU with neither AVX-512F nor AVX2 with FMA,
+    no C++ compiler, no ninja."""
+    if isa() is None:
+        return "this CPU has neither AVX-512F nor AVX2 with FMA"
     compiler = os.environ.get("CXX", "c++")  # what torch's extension builder runs
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler}, from $CXX or c++) to build it"
@@ -36,17 +61,22 @@ def toolchain_missing() -> str | None:
     return None
 
 
-def build(name: str, source: str):
-    """The extension module ``name`` built from ``kernels/<source>`` (AVX-512F, OpenMP: ATen's ``parallel_for`` is
-    OpenMP in its headers).
+def build(name: str, source: str, isa_name: str | None = None):
+    """The extension module built from ``kernels/<source>`` for ``isa_name`` (one of :data:`ISA_FLAGS`; None: this
+    CPU's :func:`isa`), named ``name``, with ``_avx2`` added for AVX2 (OpenMP: ATen's ``parallel_for`` is OpenMP in
+    its headers). An AVX2 build runs on CPUs with AVX-512 too (the tests check it there).
 
     Raises:
         Exception: whatever the build raises (callers fall back and log it).
     """
     from torch.utils.cpp_extension import _get_build_directory
     from torch.utils.cpp_extension import load as load_extension
+    here = isa_name or isa()
+    if here not in ISA_FLAGS:
+        raise RuntimeError(f"no vector ISA to build for: {here or 'this CPU has neither AVX-512F nor AVX2 with FMA'}")
+    name = name if here == "avx512" else f"{name}_{here}"
     clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
-    return load_extension(name, [str(KERNELS / source)], extra_cflags=["-O3", "-mavx512f", "-mfma", "-fopenmp"],
+    return load_extension(name, [str(KERNELS / source)], extra_cflags=["-O3", *ISA_FLAGS[here], "-fopenmp"],
                           extra_ldflags=["-fopenmp"], verbose=False)
 
 

@@ -4,12 +4,15 @@ vLLM's CPU kernel (``cpu_attention_with_kv_cache``) takes a request's second que
 first's cost. The kernel here (``kernels/verify_attention.cpp``) reads each request's K/V blocks once for all its
 query rows and all query heads of a KV head, on both of vLLM's x86 layouts:
 
-- ``vec`` (AVX-512 without AMX, and float32 everywhere; AVX-512F, accumulators in registers). On the project's
-  2-core EPYC (bfloat16, 30 layers, 16 requests, one thread as the served worker runs;
-  ``benchmarks/attention_rows.py --kernels vllm,entmtp``, two runs) vLLM's took 17.3-17.8 ms for one row each and
-  24.0-24.2 ms for two at 300 tokens of context, 51.1-52.5 and 78.9-80.9 ms at 1,000; this kernel 13.2-13.4 and
-  17.3-17.5 ms, 39.7-39.8 and 51.8 ms. Served, a draft token cost 11-13 % less per step
-  (``benchmarks/results/verify-kernel-epyc-2026-12-05/``).
+- ``vec`` (x86 without AMX, and float32 everywhere; AVX-512F, or AVX2 with FMA where the CPU has no AVX-512F
+  (``kernels/simd.h``), accumulators in registers). On the project's 2-core EPYC with AVX-512 (bfloat16, 30 layers, 16
+  requests, one thread as the served worker runs; ``benchmarks/attention_rows.py --kernels vllm,entmtp``, two runs)
+  vLLM's took 17.3-17.8 ms for one row each and 24.0-24.2 ms for two at 300 tokens of context, 51.1-52.5 and 78.9-80.9
+  ms at 1,000; this kernel 13.2-13.4 and 17.3-17.5 ms, 39.7-39.8 and 51.8 ms. Served, a draft token cost 11-13 % less
+  per step (``benchmarks/results/verify-kernel-epyc-2026-12-05/``). On a 2-core AMD EPYC with AVX2 only (float32, 32
+  requests, 2 threads; 2026-12-07) vLLM's took 37.5 / 59.9 / 74.9 / 78.6 ms for 1-4 rows a request at 300 tokens of
+  context and 119.1 / 237.3 / 291.1 / 307.9 at 1,000; this kernel (AVX2) 25.9 / 32.7 / 42.4 / 46.6 and 88.5 / 113.7 /
+  142.7 / 157.2 (``benchmarks/results/avx2-kernels-epyc-2026-12-07/``).
 - ``amx`` (bfloat16 on CPUs with AMX; AMX tiles, as vLLM's kernel: up to 16 query vectors a tile, so extra rows
   cost little). On a 2-core Xeon with AMX (32 requests, one thread) vLLM's took 22.0 / 42.1 / 43.2 / 44.8 ms for
   1-4 rows a request at 300 tokens of context and 67.1 / 148.7 / 153.2 / 158.5 at 1,000; this kernel 22.5 / 24.8 /
@@ -24,11 +27,11 @@ more than one: on the 2-core Xeon with AMX (bfloat16, 30 layers, one thread; ``b
 the kernels and 43.8 ms with every request on this one, where vLLM's kernel took 44.2 ms for a row each (16
 requests at 200 tokens: 8.7, 7.6 and 9.1 ms). In bfloat16 a request that does not draft may so round differently
 from plain decoding in a step where others draft.
-Where the kernel does not apply (no AVX-512F, no C++ compiler or ninja, a KV layout other than these two, sliding
-windows, ALiBi, soft-capping, sinks, an fp8 KV cache, head sizes other than 64 and 128, a non-causal step) vLLM's
-kernel runs everything. Its output differs from vLLM's kernel by rounding (the sums run in another order: on
-random float32 batches within 2.4e-7 of outputs of order 1, bfloat16 ones on ``amx`` within 2e-3 of outputs up to 3;
-the start-up check and the tests allow 1e-4 in float32, 3e-2 in bfloat16).
+Where the kernel does not apply (neither AVX-512F nor AVX2 with FMA, no C++ compiler or ninja, a KV layout other
+than these two, sliding windows, ALiBi, soft-capping, sinks, an fp8 KV cache, head sizes other than 64 and 128, a
+non-causal step) vLLM's kernel runs everything. Its output differs from vLLM's kernel by rounding (the sums run in
+another order: on random float32 batches within 2.4e-7 of outputs of order 1, bfloat16 ones on ``amx`` within 2e-3
+of outputs up to 3; the start-up check and the tests allow 1e-4 in float32, 3e-2 in bfloat16).
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ from vllm_entmtp import cpp_build
 
 #: Requests with at most this many query rows take the kernel (a chain of 15 draft tokens and its root).
 MAX_ROWS = 16
-#: vLLM's CPU KV layouts (its ISA names) the kernel reads: ``vec`` (AVX-512F, float32 or bfloat16) and ``amx``
+#: vLLM's CPU KV layouts (its ISA names) the kernel reads: ``vec`` (float32 or bfloat16) and ``amx``
 #: (bfloat16 on CPUs with AMX, computed with AMX tiles).
 LAYOUTS = ("vec", "amx")
 #: Block sizes the kernel takes must be multiples of these.
@@ -84,8 +87,8 @@ def layout(dtype: torch.dtype) -> str:
 def _unavailable(dtype: torch.dtype) -> str | None:
     if dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {dtype} (float32 and bfloat16 only)"
-    if not torch.cpu._is_avx512_supported():
-        return "this CPU has no AVX-512"
+    if cpp_build.isa() is None:
+        return "this CPU has neither AVX-512F nor AVX2 with FMA"
     here = layout(dtype)
     if here not in LAYOUTS:
         return f"vLLM's CPU attention uses the KV layout '{here}' here (the kernel reads {', '.join(LAYOUTS)})"

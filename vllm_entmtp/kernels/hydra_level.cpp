@@ -9,8 +9,9 @@
 //
 // Why one call: right after the target's forward a torch operator's first call costs tens of microseconds (its code
 // is out of the caches), and a level took about ten of them around its two matrix products. The products read each
-// weight row once for all paths, rows split over torch's threads (at::parallel_for). AVX-512F; float32 or bfloat16;
-// hidden size a multiple of 16. Built at start-up by vllm_entmtp/hydra_kernel.py; benchmarks/hydra_level.py times it.
+// weight row once for all paths, rows split over torch's threads (at::parallel_for). AVX-512F, or AVX2 with FMA
+// (simd.h; the AVX512-BF16 products are AVX-512's only); float32 or bfloat16; hidden size a multiple of 16. Built
+// at start-up by vllm_entmtp/hydra_kernel.py; benchmarks/hydra_level.py times it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <pybind11/stl.h>
@@ -22,53 +23,54 @@
 #include <utility>
 #include <vector>
 
-#include "avx512_common.h"
+#include "simd.h"
 
 // Rows ahead whose weights are prefetched while a group of 4 is multiplied (up to the last of the thread's rows).
 constexpr int PREFETCH_ROWS = 8;
 
-// Y[n, r] = W[r, :] . X[n, :] (+ bias[r]) for rows r in [r0, r1) and NR inputs; `in` a multiple of 16.
+// Y[n, r] = Wt[r, :] . X[n, :] (+ bias[r]) for rows r in [r0, r1) and NR inputs; `in` a multiple of 16.
 template <int NR, typename T>
-static void rows_times(const T* W, int64_t in, const float* X, const T* bias, float* Y, int64_t ystride, int64_t r0,
+static void rows_times(const T* Wt, int64_t in, const float* X, const T* bias, float* Y, int64_t ystride, int64_t r0,
                        int64_t r1) {
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
-    __m512 acc[4][NR];
+    vf acc[4][NR];
     for (int i = 0; i < 4; ++i)
-      for (int n = 0; n < NR; ++n) acc[i][n] = _mm512_setzero_ps();
-    const T* w0 = W + r * in;
+      for (int n = 0; n < NR; ++n) acc[i][n] = vzero();
+    const T* w0 = Wt + r * in;
     const T* wp[4];  // the rows PREFETCH_ROWS ahead, within this thread's rows
-    for (int i = 0; i < 4; ++i) wp[i] = W + std::min(r + i + PREFETCH_ROWS, r1 - 1) * in;
-    for (int64_t j = 0; j < in; j += 16) {
-      __m512 x[NR];
-      for (int n = 0; n < NR; ++n) x[n] = _mm512_loadu_ps(X + n * in + j);
+    for (int i = 0; i < 4; ++i) wp[i] = Wt + std::min(r + i + PREFETCH_ROWS, r1 - 1) * in;
+    for (int64_t j = 0; j < in; j += W) {
+      vf x[NR];
+      for (int n = 0; n < NR; ++n) x[n] = vload(X + n * in + j);
       for (int i = 0; i < 4; ++i) {
-        if (sizeof(T) == 4 || (j & 31) == 0) _mm_prefetch((const char*)(wp[i] + j), _MM_HINT_T0);
-        const __m512 w = load16(w0 + i * in + j);
-        for (int n = 0; n < NR; ++n) acc[i][n] = _mm512_fmadd_ps(w, x[n], acc[i][n]);
+        if (((j * (int64_t)sizeof(T)) & 63) == 0) _mm_prefetch((const char*)(wp[i] + j), _MM_HINT_T0);
+        const vf w = vload(w0 + i * in + j);
+        for (int n = 0; n < NR; ++n) acc[i][n] = vfmadd(w, x[n], acc[i][n]);
       }
     }
     for (int i = 0; i < 4; ++i) {
       const float b = bias ? ld1(bias + r + i) : 0.f;
-      for (int n = 0; n < NR; ++n) Y[n * ystride + r + i] = _mm512_reduce_add_ps(acc[i][n]) + b;
+      for (int n = 0; n < NR; ++n) Y[n * ystride + r + i] = vsum(acc[i][n]) + b;
     }
   }
   for (; r < r1; ++r) {
-    __m512 acc[NR];
-    for (int n = 0; n < NR; ++n) acc[n] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < in; j += 16) {
-      const __m512 w = load16(W + r * in + j);
-      for (int n = 0; n < NR; ++n) acc[n] = _mm512_fmadd_ps(w, _mm512_loadu_ps(X + n * in + j), acc[n]);
+    vf acc[NR];
+    for (int n = 0; n < NR; ++n) acc[n] = vzero();
+    for (int64_t j = 0; j < in; j += W) {
+      const vf w = vload(Wt + r * in + j);
+      for (int n = 0; n < NR; ++n) acc[n] = vfmadd(w, vload(X + n * in + j), acc[n]);
     }
     const float b = bias ? ld1(bias + r) : 0.f;
-    for (int n = 0; n < NR; ++n) Y[n * ystride + r] = _mm512_reduce_add_ps(acc[n]) + b;
+    for (int n = 0; n < NR; ++n) Y[n * ystride + r] = vsum(acc[n]) + b;
   }
 }
 
+#if defined(ENTMTP_AVX512)
 // rows_times for bfloat16 weights on CPUs with AVX512-BF16: X is given in bfloat16 (Xb [NR, in], rounded once) and
 // each 32 weights take one load and one _mm512_dpbf16_ps per path; `in` a multiple of 32.
 template <int NR>
-__attribute__((target("avx512f,avx512bf16"))) static void rows_times_dp(const uint16_t* W, int64_t in,
+__attribute__((target("avx512f,avx512bf16"))) static void rows_times_dp(const uint16_t* Wt, int64_t in,
                                                                          const uint16_t* Xb, const uint16_t* bias,
                                                                          float* Y, int64_t ystride, int64_t r0,
                                                                          int64_t r1) {
@@ -77,9 +79,9 @@ __attribute__((target("avx512f,avx512bf16"))) static void rows_times_dp(const ui
     __m512 acc[4][NR];
     for (int i = 0; i < 4; ++i)
       for (int n = 0; n < NR; ++n) acc[i][n] = _mm512_setzero_ps();
-    const uint16_t* w0 = W + r * in;
+    const uint16_t* w0 = Wt + r * in;
     const uint16_t* wp[4];  // the rows PREFETCH_ROWS ahead, within this thread's rows
-    for (int i = 0; i < 4; ++i) wp[i] = W + std::min(r + i + PREFETCH_ROWS, r1 - 1) * in;
+    for (int i = 0; i < 4; ++i) wp[i] = Wt + std::min(r + i + PREFETCH_ROWS, r1 - 1) * in;
     if (rows == 4) {
       for (int64_t j = 0; j < in; j += 32) {
         __m512bh x[NR];
@@ -109,6 +111,7 @@ static bool has_avx512_bf16() {
   static const bool yes = __builtin_cpu_supports("avx512bf16");
   return yes;
 }
+#endif  // ENTMTP_AVX512
 
 // f(std::integral_constant<int, N>{}, r0, r1) for N in 1..4 over the row blocks [r0, r1) of 16 rows of `out`,
 // the blocks split over torch's threads.
@@ -128,6 +131,7 @@ static void over_row_blocks(int64_t out, int64_t N, const F& f) {
 // Y [N, out] = X [N, in] W^T (+ bias) for N in 1..4.
 template <typename T>
 static void matmul_small(const T* W, int64_t out, int64_t in, const float* X, int64_t N, const T* bias, float* Y) {
+#if defined(ENTMTP_AVX512)
   if constexpr (std::is_same_v<T, uint16_t>) {
     if (in % 32 == 0 && has_avx512_bf16()) {
       static thread_local std::vector<uint16_t> xb;
@@ -140,6 +144,7 @@ static void matmul_small(const T* W, int64_t out, int64_t in, const float* X, in
       return;
     }
   }
+#endif
   over_row_blocks(out, N, [&](auto nr, int64_t r0, int64_t r1) {
     rows_times<decltype(nr)::value>(W, in, X, bias, Y, out, r0, r1);
   });
@@ -147,11 +152,11 @@ static void matmul_small(const T* W, int64_t out, int64_t in, const float* X, in
 
 // sum over c of exp(l[c] - m), where m >= every l[c]
 static double sum_exp(const float* l, int64_t n, float m) {
-  __m512 acc = _mm512_setzero_ps();
-  const __m512 mz = _mm512_set1_ps(m);
+  vf acc = vzero();
+  const vf mz = vset1(m);
   int64_t c = 0;
-  for (; c + 16 <= n; c += 16) acc = _mm512_add_ps(acc, exp512(_mm512_sub_ps(_mm512_loadu_ps(l + c), mz)));
-  double s = _mm512_reduce_add_ps(acc);
+  for (; c + W <= n; c += W) acc = vadd(acc, vexp(vsub(vload(l + c), mz)));
+  double s = vsum(acc);
   for (; c < n; ++c) s += std::exp((double)(l[c] - m));
   return s;
 }
@@ -195,9 +200,9 @@ static Result level_impl(const torch::Tensor& hidden, const torch::Tensor& path_
     const float* l = &logits[n * DV];
     best.clear();  // the top-k, best first; a tie keeps the lower column first
     for (int64_t c = 0; c < DV; ++c) {
-      if ((int64_t)best.size() == topk && (c & 15) == 0 && c + 16 <= DV &&
-          !_mm512_cmp_ps_mask(_mm512_loadu_ps(l + c), _mm512_set1_ps(best.back().first), _CMP_GT_OQ)) {
-        c += 15;  // none of these 16 enters the top-k
+      if ((int64_t)best.size() == topk && c % W == 0 && c + W <= DV &&
+          !vany_gt(vload(l + c), vset1(best.back().first))) {
+        c += W - 1;  // none of these W enters the top-k
         continue;
       }
       const float v = l[c];

@@ -5,8 +5,9 @@
 // head, the dot-product and weighted-sum accumulators in registers. On the project's 2-core EPYC (bfloat16, one
 // thread, 16 requests, 300 tokens of context) two rows a request took 1.31x one row's time here and 1.39x in
 // vLLM's kernel (1.30x and 1.54x at 1,000 tokens), and one row 0.76x vLLM's time (0.78x at 1,000):
-// benchmarks/attention_rows.py --kernels vllm,entmtp. AVX-512F; float32 or bfloat16; head_dim 64 or 128; block
-// size a multiple of 16. Built at start-up by vllm_entmtp/verify_attention.py. vLLM's ``amx`` layout (bfloat16 on
+// benchmarks/attention_rows.py --kernels vllm,entmtp. AVX-512F, or AVX2 with FMA (simd.h: the build's flags pick
+// the vectors; the amx path below is AVX-512's only); float32 or bfloat16; head_dim 64 or 128; block size a multiple
+// of 16. Built at start-up by vllm_entmtp/verify_attention.py. vLLM's ``amx`` layout (bfloat16 on
 // CPUs with AMX) has its own path below (multirow_attention_amx, AMX tiles).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -17,19 +18,19 @@
 #include <algorithm>
 #include <vector>
 
-#include "avx512_common.h"
+#include "simd.h"
 
-// s[v][tc..tc+16) = q[v] . K[:, tc..tc+16) for VG query vectors
+// s[v][tc..tc+W) = q[v] . K[:, tc..tc+W) for VG query vectors
 template <typename T, int D, int VG>
 static inline void qk_group(const float* qf, const T* K, int64_t bs, int64_t nt, float* s, int64_t sstride) {
-  for (int64_t tc = 0; tc < nt; tc += 16) {
-    __m512 acc[VG];
-    for (int v = 0; v < VG; ++v) acc[v] = _mm512_setzero_ps();
+  for (int64_t tc = 0; tc < nt; tc += W) {
+    vf acc[VG];
+    for (int v = 0; v < VG; ++v) acc[v] = vzero();
     for (int d = 0; d < D; ++d) {
-      const __m512 kz = load16(K + d * bs + tc);
-      for (int v = 0; v < VG; ++v) acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(qf[v * D + d]), kz, acc[v]);
+      const vf kz = vload(K + d * bs + tc);
+      for (int v = 0; v < VG; ++v) acc[v] = vfmadd(vset1(qf[v * D + d]), kz, acc[v]);
     }
-    for (int v = 0; v < VG; ++v) _mm512_storeu_ps(s + v * sstride + tc, acc[v]);
+    for (int v = 0; v < VG; ++v) vstore(s + v * sstride + tc, acc[v]);
   }
 }
 template <typename T, int D>
@@ -47,30 +48,33 @@ static void qk(const float* qf, int64_t nq, const T* K, int64_t bs, int64_t nt, 
     default: break;
   }
 }
-// acc[v] += sum_t p[v][t] V[t] for VG query vectors
+// acc[v] += sum_t p[v][t] V[t] for VG query vectors, the head elements in chunks of C vectors (registers: VG * C
+// accumulators and C values of V; AVX-512 has 32 of them, AVX2 16)
 template <typename T, int D, int VG>
 static inline void pv_group(const float* s, int64_t sstride, const T* V, int64_t nt, float* acc) {
-  constexpr int DV = D / 16;
-  __m512 a[VG][DV];
-  for (int v = 0; v < VG; ++v) for (int k = 0; k < DV; ++k) a[v][k] = _mm512_loadu_ps(acc + v * D + 16 * k);
-  for (int64_t t = 0; t < nt; ++t) {
-    __m512 vz[DV];
-    for (int k = 0; k < DV; ++k) vz[k] = load16(V + t * D + 16 * k);
-    for (int v = 0; v < VG; ++v) {
-      const __m512 p = _mm512_set1_ps(s[v * sstride + t]);
-      for (int k = 0; k < DV; ++k) a[v][k] = _mm512_fmadd_ps(p, vz[k], a[v][k]);
+  constexpr int DV = D / W, C = W == 16 ? DV : 4;
+  for (int c0 = 0; c0 < DV; c0 += C) {
+    vf a[VG][C];
+    for (int v = 0; v < VG; ++v) for (int k = 0; k < C; ++k) a[v][k] = vload(acc + v * D + W * (c0 + k));
+    for (int64_t t = 0; t < nt; ++t) {
+      vf vz[C];
+      for (int k = 0; k < C; ++k) vz[k] = vload(V + t * D + W * (c0 + k));
+      for (int v = 0; v < VG; ++v) {
+        const vf p = vset1(s[v * sstride + t]);
+        for (int k = 0; k < C; ++k) a[v][k] = vfmadd(p, vz[k], a[v][k]);
+      }
     }
+    for (int v = 0; v < VG; ++v) for (int k = 0; k < C; ++k) vstore(acc + v * D + W * (c0 + k), a[v][k]);
   }
-  for (int v = 0; v < VG; ++v) for (int k = 0; k < DV; ++k) _mm512_storeu_ps(acc + v * D + 16 * k, a[v][k]);
 }
 template <typename T, int D>
 static void pv(const float* s, int64_t nq, int64_t bs, const T* V, int64_t nt, float* acc) {
-  constexpr int G = D == 64 ? 6 : 3;
+  constexpr int G = W == 8 ? 2 : D == 64 ? 6 : 3;
   int64_t v = 0;
   for (; v + G <= nq; v += G) pv_group<T, D, G>(s + v * bs, bs, V, nt, acc + v * D);
   switch (nq - v) {
     case 1: pv_group<T, D, 1>(s + v * bs, bs, V, nt, acc + v * D); break;
-    case 2: pv_group<T, D, 2>(s + v * bs, bs, V, nt, acc + v * D); break;
+    case 2: if constexpr (G > 2) pv_group<T, D, 2>(s + v * bs, bs, V, nt, acc + v * D); break;
     case 3: if constexpr (G > 3) pv_group<T, D, 3>(s + v * bs, bs, V, nt, acc + v * D); break;
     case 4: if constexpr (G > 4) pv_group<T, D, 4>(s + v * bs, bs, V, nt, acc + v * D); break;
     case 5: if constexpr (G > 5) pv_group<T, D, 5>(s + v * bs, bs, V, nt, acc + v * D); break;
@@ -106,23 +110,21 @@ static void run(const T* q, int64_t qs0, int64_t qs1, const T* c, const int32_t*
           const int64_t lv = std::max<int64_t>(0, std::min(nt, ctx + v / rep + 1 - t0));
           float* sv = s + v * bs;
           if (lv == 0) { std::fill(sv, sv + nt, 0.f); continue; }
-          __m512 mxv = _mm512_set1_ps(m[v]);
+          vf mxv = vset1(m[v]);
           int64_t t = 0;
-          for (; t + 16 <= lv; t += 16) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(sv + t));
-          float mx = _mm512_reduce_max_ps(mxv);
+          for (; t + W <= lv; t += W) mxv = vmax(mxv, vload(sv + t));
+          float mx = vmaxr(mxv);
           for (; t < lv; ++t) mx = std::max(mx, sv[t]);
-          const __m512 mz = _mm512_set1_ps(mx);
-          __m512 sumv = _mm512_setzero_ps();
-          for (t = 0; t < lv; t += 16) {
-            const __mmask16 k = lv - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (lv - t)) - 1);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sv + t), mz));
-            e = _mm512_maskz_mov_ps(k, e);
-            _mm512_storeu_ps(sv + t, e);
-            sumv = _mm512_add_ps(sumv, e);
+          const vf mz = vset1(mx);
+          vf sumv = vzero();
+          for (t = 0; t < lv; t += W) {
+            const vf e = vfirst(vexp(vsub(vload(sv + t), mz)), lv - t);
+            vstore(sv + t, e);
+            sumv = vadd(sumv, e);
           }
           for (t = lv; t < nt; ++t) sv[t] = 0.f;  // (the chunk loop may have zeroed some already)
           const float corr = m[v] == -INFINITY ? 0.f : std::exp(m[v] - mx);
-          l[v] = l[v] * corr + _mm512_reduce_add_ps(sumv);
+          l[v] = l[v] * corr + vsum(sumv);
           m[v] = mx;
           float* av = acc + v * D;
           for (int d = 0; d < D; ++d) av[d] *= corr;
@@ -180,6 +182,7 @@ void multirow_attention(torch::Tensor query, torch::Tensor cache, torch::Tensor 
   }
 }
 
+#if defined(ENTMTP_AVX512)
 // The same attention on vLLM's ``amx`` layout (bfloat16 only, on CPUs with AMX), with AMX tiles. Per block and KV
 // head the layout holds K in groups of 16 tokens, each ``[head_dim / 2][16 tokens][2]`` (pairs of head elements:
 // an AMX B tile per 32 head elements), then V in groups of 16 head elements, each ``[block_size / 2][16
@@ -255,7 +258,7 @@ AMX_TILES_TARGET static void tiles_item(const uint16_t* q, int64_t qs0, int64_t 
         for (t = 0; t < nt32; t += 16) {
           const __mmask16 k = lv - t >= 16 ? (__mmask16)0xffff
                               : lv <= t ? (__mmask16)0 : (__mmask16)((1u << (lv - t)) - 1);
-          const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_fmsub_ps(_mm512_loadu_ps(sv + t), sc, mz)));
+          const __m512 e = _mm512_maskz_mov_ps(k, vexp(_mm512_fmsub_ps(_mm512_loadu_ps(sv + t), sc, mz)));
           _mm256_storeu_si256((__m256i*)(pv + t), (__m256i)_mm512_cvtneps_pbh(e));
           sumv = _mm512_add_ps(sumv, e);
         }
@@ -323,7 +326,11 @@ void multirow_attention_amx(torch::Tensor query, torch::Tensor cache, torch::Ten
   if (D == 64) go(std::integral_constant<int, 64>{}); else go(std::integral_constant<int, 128>{});
 }
 
+#endif  // ENTMTP_AVX512
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("multirow_attention", &multirow_attention);
+#if defined(ENTMTP_AVX512)
   m.def("multirow_attention_amx", &multirow_attention_amx);
+#endif
 }

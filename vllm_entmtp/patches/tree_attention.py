@@ -1,8 +1,8 @@
 """Override of vLLM's CPU attention backend (``CPU_ATTN``) that verifies draft trees, and runs the rows of requests
 that verify draft tokens through the plugin's kernel (:mod:`vllm_entmtp.verify_attention`, option
-``verify_attention``, on the ``vec`` and ``amx`` layouts with AVX-512; with them the step's requests of one row,
-while longer prompt chunks run vLLM's kernel as a batch of their own, and a step that verifies no draft token runs
-vLLM's kernel alone, as plain decoding).
+``verify_attention``, on the ``vec`` layout with AVX-512F or AVX2 and on the ``amx`` layout; with them the step's
+requests of one row, while longer prompt chunks run vLLM's kernel as a batch of their own, and a step that verifies
+no draft token runs vLLM's kernel alone, as plain decoding).
 
 vLLM's CPU kernel (``torch.ops._C.cpu_attention_with_kv_cache``) knows causal masks only. For a request whose
 draft tokens form a tree, the kernel first runs as usual; then the rows whose causal view is wrong (they would
@@ -11,7 +11,7 @@ request's K/V blocks are read once from the paged cache (one gather, not one per
 are computed in two block-batched matmuls in float32 on the cache's own layout. Rows of other requests are
 untouched.
 
-KV layout: the ``vec`` ISA of the CPU backend (x86 with AVX-512 and without AMX, and fp32 everywhere) stores
+KV layout: the ``vec`` ISA of the CPU backend (x86 without AMX, AVX2-only CPUs included, and fp32 everywhere) stores
 each block as ``[num_kv_heads, 2, block_size * head_size]`` with K transposed (``[head_size, block_size]``)
 and V plain (``[block_size, head_size]``). Other ISAs pack differently (``amx``: bfloat16 on CPUs with AMX); the
 runner only drafts trees when every layer runs ``vec`` (chains need no mask and work everywhere: this override

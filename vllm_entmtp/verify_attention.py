@@ -12,7 +12,7 @@ query rows and all query heads of a KV head, on both of vLLM's x86 layouts:
   per step (``benchmarks/results/verify-kernel-epyc-2026-12-05/``). On a 2-core AMD EPYC with AVX2 only (float32, 32
   requests, 2 threads; 2026-12-07) vLLM's took 37.5 / 59.9 / 74.9 / 78.6 ms for 1-4 rows a request at 300 tokens of
   context and 119.1 / 237.3 / 291.1 / 307.9 at 1,000; this kernel (AVX2) 25.9 / 32.7 / 42.4 / 46.6 and 88.5 / 113.7 /
-  142.7 / 157.2 (``benchmarks/results/avx2-kernels-epyc-2026-12-07/``).
+  142.7 / 157.1 (``benchmarks/results/avx2-kernels-epyc-2026-12-07/``).
 - ``amx`` (bfloat16 on CPUs with AMX; AMX tiles, as vLLM's kernel: up to 16 query vectors a tile, so extra rows
   cost little). On a 2-core Xeon with AMX (32 requests, one thread) vLLM's took 22.0 / 42.1 / 43.2 / 44.8 ms for
   1-4 rows a request at 300 tokens of context and 67.1 / 148.7 / 153.2 / 158.5 at 1,000; this kernel 22.5 / 24.8 /

@@ -1,14 +1,13 @@
-// The attention of requests that verify draft tokens (2 or more query rows each; in such a step the requests of
-// one row too), on vLLM's CPU paged KV cache in
-// its ``vec`` layout (per block and KV head: K transposed ``[head_dim, block_size]``, then V ``[block_size,
-// head_dim]``), causal. Each request's K/V blocks are read once for all its query rows and all query heads of a KV
-// head, the dot-product and weighted-sum accumulators in registers. On the project's 2-core EPYC (bfloat16, one
-// thread, 16 requests, 300 tokens of context) two rows a request took 1.31x one row's time here and 1.39x in
-// vLLM's kernel (1.30x and 1.54x at 1,000 tokens), and one row 0.76x vLLM's time (0.78x at 1,000):
-// benchmarks/attention_rows.py --kernels vllm,entmtp. AVX-512F, or AVX2 with FMA (simd.h: the build's flags pick
-// the vectors; the amx path below is AVX-512's only); float32 or bfloat16; head_dim 64 or 128; block size a multiple
-// of 16. Built at start-up by vllm_entmtp/verify_attention.py. vLLM's ``amx`` layout (bfloat16 on
-// CPUs with AMX) has its own path below (multirow_attention_amx, AMX tiles).
+// The attention of requests that verify draft tokens (2 or more query rows each; in such a step the requests of one
+// row too), on vLLM's CPU paged KV cache in its ``vec`` layout (per block and KV head: K transposed ``[head_dim,
+// block_size]``, then V ``[block_size, head_dim]``), causal. Each request's K/V blocks are read once for all its
+// query rows and all query heads of a KV head, the dot-product and weighted-sum accumulators in registers. On the
+// project's 2-core EPYC with AVX-512 (bfloat16, one thread, 16 requests, 300 tokens of context) two rows a request
+// took 1.31x one row's time here and 1.39x in vLLM's kernel (1.30x and 1.54x at 1,000 tokens), and one row 0.76x
+// vLLM's time (0.78x at 1,000): benchmarks/attention_rows.py --kernels vllm,entmtp. AVX-512F, or AVX2 with FMA
+// (simd.h: the build's flags pick the vectors; the amx path below is AVX-512's only); float32 or bfloat16; head_dim
+// 64 or 128; block size a multiple of 16. Built at start-up by vllm_entmtp/verify_attention.py. vLLM's ``amx``
+// layout (bfloat16 on CPUs with AMX) has its own path below (multirow_attention_amx, AMX tiles).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -1,8 +1,8 @@
 """Override of vLLM's CPU attention backend (``CPU_ATTN``) that verifies draft trees, and runs the rows of requests
 that verify draft tokens through the plugin's kernel (:mod:`vllm_entmtp.verify_attention`, option
-``verify_attention``, on the ``vec`` layout with AVX-512F or AVX2 and on the ``amx`` layout; with them the step's
-requests of one row, while longer prompt chunks run vLLM's kernel as a batch of their own, and a step that verifies
-no draft token runs vLLM's kernel alone, as plain decoding).
+``verify_attention``, on the ``vec`` layout with AVX-512F or AVX2 with FMA and on the ``amx`` layout; with them the
+step's requests of one row, while longer prompt chunks run vLLM's kernel as a batch of their own, and a step that
+verifies no draft token runs vLLM's kernel alone, as plain decoding).
 
 vLLM's CPU kernel (``torch.ops._C.cpu_attention_with_kv_cache``) knows causal masks only. For a request whose
 draft tokens form a tree, the kernel first runs as usual; then the rows whose causal view is wrong (they would

@@ -43,6 +43,8 @@ def _has_fma() -> bool:
     return False
 
 
+#: Why the kernels do not apply on a CPU where :func:`isa` is None.
+NO_ISA = "this CPU has neither AVX-512F nor AVX2 with FMA"
 #: The compiler's flags for each ISA of :func:`isa` (``kernels/simd.h`` picks its vectors by them).
 ISA_FLAGS = {"avx512": ["-mavx512f", "-mfma"], "avx2": ["-mavx2", "-mfma"]}
 
@@ -51,7 +53,7 @@ def toolchain_missing() -> str | None:
     """Why the kernels cannot be built and run here (None: they can): a CPU with neither AVX-512F nor AVX2 with FMA,
     no C++ compiler, no ninja."""
     if isa() is None:
-        return "this CPU has neither AVX-512F nor AVX2 with FMA"
+        return NO_ISA
     compiler = os.environ.get("CXX", "c++")  # what torch's extension builder runs
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler}, from $CXX or c++) to build it"
@@ -73,7 +75,7 @@ def build(name: str, source: str, isa_name: str | None = None):
     from torch.utils.cpp_extension import load as load_extension
     here = isa_name or isa()
     if here not in ISA_FLAGS:
-        raise RuntimeError(f"no vector ISA to build for: {here or 'this CPU has neither AVX-512F nor AVX2 with FMA'}")
+        raise RuntimeError(f"no vector ISA to build for: {here or NO_ISA}")
     name = name if here == "avx512" else f"{name}_{here}"
     clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
     return load_extension(name, [str(KERNELS / source)], extra_cflags=["-O3", *ISA_FLAGS[here], "-fopenmp"],

@@ -88,7 +88,7 @@ def _unavailable(dtype: torch.dtype) -> str | None:
     if dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {dtype} (float32 and bfloat16 only)"
     if cpp_build.isa() is None:
-        return "this CPU has neither AVX-512F nor AVX2 with FMA"
+        return cpp_build.NO_ISA
     here = layout(dtype)
     if here not in LAYOUTS:
         return f"vLLM's CPU attention uses the KV layout '{here}' here (the kernel reads {', '.join(LAYOUTS)})"

@@ -724,6 +724,29 @@ def test_drafting_rests_on_a_tie_of_the_realised_comparison():
     assert not c.drafting_loses(16)
 
 
+def test_the_realised_comparison_moves_steps_without_drafts_to_the_drafted_steps_batch_size():
+    """Where the steps without drafts come from another batch size than the drafted ones (a draining batch), their
+    tokens per second are moved to the drafted steps' batch size by the plain steps' tokens per second at both: a
+    larger batch emits more tokens per second without any draft, which had read as a lead for drafting."""
+    from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, COMPARE_MIN_PLAIN, StepCosts
+
+    c = StepCosts()
+    for _ in range(COMPARE_MIN_PLAIN + 1):
+        c.record_step(12, 12, 0.040, drafted=False)  # 300 tokens/s at 12 requests
+    for _ in range(COMPARE_MIN_DRAFTING + 1):
+        c.record_step(16, 17, 0.050, drafted=True)  # 340 tokens/s at 16: one draft token accepted a step
+    assert c.step_rates(16) == pytest.approx((340.0, 300.0))  # no plain step known at 16: as measured
+    assert not c.drafting_loses(16)
+    for _ in range(3):
+        c.record_rows(12, 0.040)
+        c.record_rows(16, 0.048)  # a plain step at 16 requests: 333 tokens/s
+    assert c.step_rates(16) == pytest.approx((340.0, 300.0 * (16 / 0.048) / (12 / 0.040)))
+    assert c.drafting_loses(16)  # 340 against 333: short of the margin
+    for _ in range(COMPARE_MIN_PLAIN + 1):
+        c.record_step(16, 16, 0.046, drafted=False)  # steps without drafts at 16 itself: no move
+    assert c.step_rates(16) == pytest.approx((340.0, 16 / 0.046))
+
+
 def test_the_realised_comparison_judges_prompt_lookups_drafts_apart_from_the_heads():
     """Steps that verified prompt lookup's drafts alone and steps that verified some of the heads' are compared with
     the steps without drafts apart (``source``): served at 32 running on ShareGPT, the heads' one-token drafts lost

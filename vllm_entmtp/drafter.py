@@ -733,11 +733,15 @@ class EntMTPProposer(MedusaProposer):
         # a decode step: what it emitted against what it took, for the load rule's realised comparison; not where a
         # request held itself to a tree (verified this step or drafted for the next): those drafts are the
         # request's choice, not the rule's (a benchmark's static trees had made the rule rest); nor where the batch
-        # drained with requests ahead (StepCosts.token_value): those drafts were not for the batch's tokens per second
+        # drained with requests ahead (StepCosts.token_value): those drafts were not for the batch's tokens per
+        # second.
+        # A step whose drafting ran the heads is the heads' even where it verified no draft (their confidence pass
+        # chose none): its time holds theirs, and the steps without drafts stand for what resting costs, no head
         if (costs is not None and STEP.decode_rows and verified_free and self._proposed_free and not verified_valued
                 and not self._valued):
             costs.record_step(n, sum(len(t) for t in sampled_token_ids), time.perf_counter() - STEP.rows_clock,
-                              drafted=STEP.decode_rows > n, source=verified_source)
+                              drafted=STEP.decode_rows > n or self.heads_ran,
+                              source="heads" if self.heads_ran else verified_source)
         if costs is not None and time.monotonic() >= self._next_costs_log and costs.compared():
             self._next_costs_log = time.monotonic() + COSTS_LOG_INTERVAL_S
             logger.info("entmtp: load: %s%s", costs.describe(), "" if self.lookup_rests is None

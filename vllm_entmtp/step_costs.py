@@ -62,8 +62,11 @@ text is not like the calibration's. :meth:`StepCosts.record_step` keeps, per bat
 emitted (one token per request plus its accepted draft tokens) and took (from its inputs to the end of its
 drafting), apart for steps that verified draft tokens some of which came from the heads, steps that verified
 prompt lookup's drafts alone, and steps that verified none (not the steps in which a request held itself to a
-tree), among the last :data:`STEP_RATE_MAX_AGE` engine steps (a drafted step also leaves once as many requests as
-its batch size have finished since: :meth:`StepCosts.tick`); where the steps with the heads' drafts have not
+tree; a step whose drafting ran the heads counts as theirs whatever it verified, as their time is in it, so that
+the steps without drafts are what resting costs), among the last :data:`STEP_RATE_MAX_AGE` engine steps (a
+drafted step also leaves once as many requests as its batch size have finished since: :meth:`StepCosts.tick`;
+steps without drafts at another batch size than the drafted ones are moved to it by the plain steps' tokens per
+second, :meth:`StepCosts.step_rates`); where the steps with the heads' drafts have not
 emitted :data:`COMPARE_MARGIN` more tokens per second than those without (:meth:`StepCosts.drafting_loses`; a tie
 costs what single steps do not show), the heads do not run at that batch size and explore as above (2026-12-02,
 served, ShareGPT, 16 running, bfloat16: entmtp ran 0.78-0.92x plain decoding while drafting in a quarter of the
@@ -380,7 +383,9 @@ class StepCosts:
         """A decode step of ``batch_size`` requests emitted ``tokens`` (one per request plus the accepted draft
         tokens) in ``seconds`` (from its inputs to the end of its drafting); ``drafted``: it verified draft
         tokens, ``source`` (:data:`DRAFT_SOURCES`) where they came from: ``"lookup"`` where all of them came from
-        prompt lookup, ``"heads"`` where some came from the heads."""
+        prompt lookup, ``"heads"`` where some came from the heads. The drafter records a step whose drafting ran
+        the heads as ``drafted`` from ``"heads"`` whatever it verified (their confidence pass may choose no draft):
+        the steps without drafts stand for resting, where no head runs."""
         if source not in DRAFT_SOURCES:
             raise ValueError(f"source must be one of {DRAFT_SOURCES}, got {source!r}")
         if batch_size >= 1 and seconds > 0:
@@ -463,14 +468,27 @@ class StepCosts:
         """Tokens per second of the recent decode steps that verified draft tokens of ``source``
         (:meth:`record_step`) and of those that verified none, at the nearest batch sizes (no further than
         ``max(2, batch_size // 4)``) with :data:`COMPARE_MIN_DRAFTING` and :data:`COMPARE_MIN_PLAIN` of them;
-        None without."""
-        out = []
+        None without.
+
+        Where the two come from different batch sizes, the rate without drafts is moved to the drafted steps' batch
+        size by the plain steps' tokens per second at both (``b / plain_time(b)``, :meth:`plain_time`; as measured
+        where either is not known): a larger batch emits more tokens per second without any draft, so drafted
+        steps at a larger batch size than the steps without read as ahead before any draft token is accepted
+        (a draining batch's steps come at many batch sizes). Served plain decoding on the AVX2 EPYC (2026-12-07,
+        creative writing, one engine core, median steps) emitted 12 tokens/s at one request, 90 at 16 and 102
+        at 32."""
+        found = []
         for kind, need in ((source, COMPARE_MIN_DRAFTING), ("none", COMPARE_MIN_PLAIN)):
             b = _nearest(self._steps[kind], batch_size, need)
             if b is None:
                 return None
-            out.append(_rate(self._steps[kind][b]))
-        return out[0], out[1]
+            found.append((b, _rate(self._steps[kind][b])))
+        (b_drafted, drafted), (b_none, none) = found
+        if b_none != b_drafted:
+            t_drafted, t_none = self.plain_time(b_drafted), self.plain_time(b_none)
+            if t_drafted is not None and t_none is not None:
+                none *= (b_drafted / t_drafted) / (b_none / t_none)
+        return drafted, none
 
     def drafting_loses(self, batch_size: int, source: str = "heads") -> bool:
         """Whether, at ``batch_size`` requests, the decode steps that verified draft tokens of ``source``

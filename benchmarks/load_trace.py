@@ -31,6 +31,7 @@ verified drafts. Made to find where a level's time went (session 40: the drain o
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import statistics
@@ -128,7 +129,8 @@ def make_hook() -> LoadTrace:
 
 
 def read(path: str) -> list[dict]:
-    with open(path) as f:
+    """A trace's lines; ``.gz`` files (as results folders keep them) are read compressed."""
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 

@@ -504,6 +504,10 @@ def test_the_load_trace_records_the_rules_answers_and_the_drafts_of_each_step(tm
     step(5.03, {})
     rows = lt.read(hook.path)
     assert [r["spec"] for r in rows] == [0, 4, 4, 0, 0] and all(r["reqs"] == n for r in rows)
+    import gzip  # results folders keep traces compressed
+    with open(hook.path, "rb") as src, gzip.open(tmp_path / "kept.jsonl.gz", "wb") as dst:
+        dst.write(src.read())
+    assert lt.read(str(tmp_path / "kept.jsonl.gz")) == rows
     first = rows[1]  # the drafter's call that ended step 0
     assert first["n"] == n and first["draining"] and first["valued"] and first["drafted"] == 1
     assert first["draft_tokens"] == 3 and first["probe"] == [False] and "loses" not in first  # valued: no rest

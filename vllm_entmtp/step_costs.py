@@ -475,8 +475,9 @@ class StepCosts:
         where either is not known): a larger batch emits more tokens per second without any draft, so drafted
         steps at a larger batch size than the steps without read as ahead before any draft token is accepted
         (a draining batch's steps come at many batch sizes). Served plain decoding on the AVX2 EPYC (2026-12-07,
-        creative writing, one engine core, median steps) emitted 12 tokens/s at one request, 90 at 16 and 102
-        at 32."""
+        creative writing and mixed prompts, one engine core, median steps;
+        ``benchmarks/results/realised-comparison-epyc-2026-12-07/``) emitted 14-15 tokens/s at one request,
+        84-88 at 15, 98-101 at 16 and 110-122 at 32."""
         found = []
         for kind, need in ((source, COMPARE_MIN_DRAFTING), ("none", COMPARE_MIN_PLAIN)):
             b = _nearest(self._steps[kind], batch_size, need)

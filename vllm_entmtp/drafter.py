@@ -734,9 +734,8 @@ class EntMTPProposer(MedusaProposer):
         # request held itself to a tree (verified this step or drafted for the next): those drafts are the
         # request's choice, not the rule's (a benchmark's static trees had made the rule rest); nor where the batch
         # drained with requests ahead (StepCosts.token_value): those drafts were not for the batch's tokens per
-        # second.
-        # A step whose drafting ran the heads is the heads' even where it verified no draft (their confidence pass
-        # chose none): its time holds theirs, and the steps without drafts stand for what resting costs, no head
+        # second. A step whose drafting ran the heads is theirs even where it verified no draft: its time holds
+        # theirs, and the steps without drafts stand for what resting costs, where no head runs
         if (costs is not None and STEP.decode_rows and verified_free and self._proposed_free and not verified_valued
                 and not self._valued):
             costs.record_step(n, sum(len(t) for t in sampled_token_ids), time.perf_counter() - STEP.rows_clock,

@@ -47,6 +47,11 @@ The tasks: ``humaneval``, ``gsm8k``, ``sharegpt``, ``creative`` and ``mixed`` (t
 chat and fiction requests in one batch); on request, ``sharegpt-long`` (chat with its earlier turns: every request's
 context 700-1,800 tokens from its start; give the servers KV cache for it, ``VLLM_CPU_KVCACHE_SPACE=2`` at 32 running).
 
+A level of as many requests as it keeps in flight is one wave and its drain: after the first request ends, fewer
+run (at 16 running, half of a level's time on the 2-core EPYC). ``--waves N`` sends at least N times as many, so that
+new requests keep the batch full for all but the last wave, as under steady load (``vllm bench serve`` sends 1,000
+prompts at any ``--max-concurrency``).
+
 Speed depends on the machine and on whatever else runs on it, so the report gives ratios between methods measured
 within this one run; with ``--repeats N`` the order of the methods is rotated every repeat and each figure is the
 mean over the repeats, with its range.
@@ -88,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-requests", type=int, default=None,
                     help=f"requests per level, each a different prompt, and at least as many as the level keeps in "
                          f"flight (default {DEFAULTS['num_requests']})")
+    ap.add_argument("--waves", type=int, default=None,
+                    help=f"a level sends at least this many times as many requests as it keeps in flight: with "
+                         f"1 a level of 16 requests at 16 running is one wave and its drain (after its first "
+                         f"request ends fewer than 16 run); with more, new requests keep the batch full for all "
+                         f"but the last wave, as under steady load (default {DEFAULTS['waves']})")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help=f"output tokens per request at most (default {DEFAULTS['max_tokens']})")
     ap.add_argument("--repeats", type=int, default=1,

@@ -31,6 +31,14 @@ def _ordered(names, order: list[str]) -> list[str]:
     return known + sorted(n for n in names if n not in known)
 
 
+def requests_per_level(s: dict) -> str:
+    """The requests a level sent, in words: ``num_requests``, at least ``waves`` times the requests in flight
+    (``waves`` 1 in results written before it existed)."""
+    waves = s.get("waves", 1)
+    least = "as many as" if waves == 1 else f"{waves} times as many as"
+    return f"{s['num_requests']} requests per level, at least {least} in flight"
+
+
 def runtime_lines(runs: list[dict]) -> list[str]:
     """Report lines: the OpenMP binding and ``LD_PRELOAD`` the servers ran with (one line when all agree)."""
     seen: dict[str, list[str]] = {}
@@ -64,7 +72,7 @@ def render_report(doc: dict) -> str:
            f"- date: {doc['date']} (run {doc['run_id']})",
            *runtime_lines(doc["runs"]),
            f"- target model: {SERVED_MODEL_NAME}; tasks: {', '.join(s['tasks'])}; concurrency: "
-           f"{', '.join(map(str, s['concurrency']))}; {s['num_requests']} requests per level (at least as many as in flight) of at most "
+           f"{', '.join(map(str, s['concurrency']))}; {requests_per_level(s)}, each of at most "
            f"{s['max_tokens']} tokens, greedy (temperature 0){', ignore_eos' if s['ignore_eos'] else ''}; "
            f"repeats: {s['repeats']}", ""]
     if doc.get("incomplete"):
@@ -178,8 +186,8 @@ def render_headline(doc: dict, method: str = "entmtp") -> str:
     cols = [f"vs {PLAIN_BEST}, c{c}" for c in s["concurrency"]] + [f"vs {b}, c{low}" for b in bases]
     out = [f"`{method}` (`{json.dumps((s['methods'].get(method) or {}).get('speculative_config'))}`), output "
            f"tokens/s as a ratio, measured in one run ({doc['date'][:10]}, {doc['machine'].get('cpu_model')}, "
-           f"{doc['machine'].get('usable_cpus')} CPUs; {s['num_requests']} requests per level, at least as many as in "
-           f"flight, of at most {s['max_tokens']} tokens, greedy); MAL: mean acceptance length at c{low}, bonus token "
+           f"{doc['machine'].get('usable_cpus')} CPUs; {requests_per_level(s)}, "
+           f"each of at most {s['max_tokens']} tokens, greedy); MAL: mean acceptance length at c{low}, bonus token "
            "included.", "",
            "| task | " + " | ".join(cols) + f" | MAL, c{low} |", "|---|" + "---:|" * (len(cols) + 1)]
     for task in s["tasks"]:

@@ -22,17 +22,17 @@ MAX_STALL_RETRIES = 2
 
 
 def prompts_needed(s: Settings) -> int:
-    """Prompts a task loads: ``num_requests``, or the highest concurrency if more (every level runs full once,
-    each request a different prompt)."""
-    return max(s.num_requests, *s.concurrency)
+    """Prompts a task loads: ``num_requests``, or ``waves`` times the highest concurrency if more (every level
+    runs full ``waves`` times over, each request a different prompt)."""
+    return max(s.num_requests, *(s.waves * c for c in s.concurrency))
 
 
 def throughput_config(s: Settings, base_url: str, task: str, warmup: int,
                       concurrency: list[int] | None = None) -> tp.Config:
     """The load generator's settings for ``task`` on the server at ``base_url``: every level of ``s`` or those of
     ``concurrency``."""
-    argv = ["--base-url", base_url, "--model", SERVED_MODEL_NAME, "--dataset", task,
-            "--num-prompts", str(prompts_needed(s)), "--num-requests", str(s.num_requests), "--fill-levels",
+    argv = ["--base-url", base_url, "--model", SERVED_MODEL_NAME, "--dataset", task, "--num-prompts",
+            str(prompts_needed(s)), "--num-requests", str(s.num_requests), "--fill-levels", str(s.waves),
             "--concurrency", ",".join(map(str, concurrency or s.concurrency)), "--max-tokens", str(s.max_tokens),
             "--temperature", "0", "--seed", "0", "--warmup-requests", str(warmup)]
     if s.ignore_eos:

@@ -15,9 +15,9 @@ from throughput import BenchmarkError
 
 DEFAULT_PORT = 8123
 QUICK = {"methods": "plain,vllm-medusa,entmtp", "tasks": "humaneval,sharegpt", "concurrency": "1",
-         "num_requests": 4, "max_tokens": 64}
+         "num_requests": 4, "max_tokens": 64, "waves": 1}
 DEFAULTS = {"methods": None, "tasks": ",".join(TASKS), "concurrency": "1,4,16", "num_requests": 16,
-            "max_tokens": 128}
+            "max_tokens": 128, "waves": 1}
 
 
 @dataclass
@@ -38,6 +38,7 @@ class Settings:
     startup_timeout: float
     paired: bool = False
     fresh_servers: bool = False  # paired: every repeat starts the servers anew
+    waves: int = 1  # a level sends at least this many times its concurrency in requests
 
     def as_json(self) -> dict:
         out = {k: v for k, v in vars(self).items() if k not in ("methods", "out")}
@@ -53,7 +54,7 @@ def make_settings(args: argparse.Namespace, available: dict[str, Method], skippe
     base = QUICK if args.quick else DEFAULTS
     pick = {k: getattr(args, k) if getattr(args, k) is not None else base[k] for k in DEFAULTS}
     for name, value in (("num_requests", pick["num_requests"]), ("max_tokens", pick["max_tokens"]),
-                        ("repeats", args.repeats)):
+                        ("repeats", args.repeats), ("waves", pick["waves"])):
         if value < 1:
             raise BenchmarkError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if not 1 <= args.port <= 65535:
@@ -97,4 +98,4 @@ def make_settings(args: argparse.Namespace, available: dict[str, Method], skippe
         num_requests=pick["num_requests"], max_tokens=pick["max_tokens"], repeats=args.repeats,
         ignore_eos=args.ignore_eos, port=args.port, out=Path(args.out or f"runs/compare-{stamp}"),
         quick=args.quick, enforce_eager=args.enforce_eager, serve_args=serve_args,
-        startup_timeout=args.startup_timeout, paired=paired, fresh_servers=fresh)
+        startup_timeout=args.startup_timeout, paired=paired, fresh_servers=fresh, waves=pick["waves"])

@@ -166,9 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Poisson arrivals, requests/s, a sweep such as 0.5,1,2 (inf = all at once)")
     ap.add_argument("--num-requests", type=int, default=None,
                     help="requests per level (default: --num-prompts; prompts are reused in turn)")
-    ap.add_argument("--fill-levels", action="store_true",
-                    help="a concurrency level sends at least as many requests as it keeps in flight, so that "
-                         "every level runs full once (--num-requests 8 --concurrency 1,16: 8 then 16)")
+    ap.add_argument("--fill-levels", type=int, nargs="?", const=1, default=0, metavar="WAVES",
+                    help="a concurrency level sends at least WAVES (default 1) times as many requests as it keeps "
+                         "in flight, so that every level runs full that many times over (--num-requests 8 "
+                         "--concurrency 1,16: 8 then 16; --fill-levels 3: 8 then 48)")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="start no request later than this many seconds into a level (default: no limit)")
     ap.add_argument("--max-tokens", type=int, default=128, help="output tokens per request at most (default 128)")
@@ -206,13 +207,13 @@ class Config:
     result_json: str | None
     progress: bool
     hf_column: str | None = None
-    fill_levels: bool = False
+    fill_levels: int = 0  # a concurrency level sends at least this many times its concurrency
 
     def requests_at(self, concurrency: int | None, num_prompts: int) -> int:
-        """Requests a level sends: ``num_requests`` (default one per prompt), at least ``concurrency`` with
-        ``fill_levels``."""
+        """Requests a level sends: ``num_requests`` (default one per prompt), at least ``fill_levels`` times
+        ``concurrency``."""
         n = self.num_requests or num_prompts
-        return max(n, concurrency or 0) if self.fill_levels else n
+        return max(n, self.fill_levels * (concurrency or 0))
 
     @property
     def levels(self) -> list[dict]:
@@ -240,6 +241,8 @@ def make_config(args: argparse.Namespace) -> Config:
             raise BenchmarkError(f"--{name.replace('_', '-')} must be > 0, got {value}")
     if args.warmup_requests < 0:
         raise BenchmarkError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
+    if getattr(args, "fill_levels", 0) < 0:
+        raise BenchmarkError(f"--fill-levels must be >= 0, got {args.fill_levels}")
     if args.temperature < 0:
         raise BenchmarkError(f"--temperature must be >= 0, got {args.temperature}")
     base_url = args.base_url.rstrip("/")
@@ -255,7 +258,7 @@ def make_config(args: argparse.Namespace) -> Config:
         temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos,
         warmup_requests=args.warmup_requests, request_timeout=args.request_timeout,
         result_json=args.result_json, progress=not args.no_progress, hf_column=args.hf_column,
-        fill_levels=getattr(args, "fill_levels", False))
+        fill_levels=getattr(args, "fill_levels", 0))
 
 
 # ------------------------------------------------------------------------------------------ prompts

@@ -336,6 +336,23 @@ def test_quick_defaults_and_overrides(checkout):
     assert not s.fresh_servers and settings(table, ["--paired", "--fresh-servers"]).fresh_servers
 
 
+def test_waves_keep_every_level_full_that_many_times_over(checkout):
+    table = checkout()
+    s = settings(table, ["--concurrency", "1,16", "--num-requests", "8"])
+    assert s.waves == 1 and crun.prompts_needed(s) == 16  # one wave of 16 at 16 running
+    cfg = crun.throughput_config(s, "http://x", "creative", warmup=0)
+    assert (cfg.requests_at(1, 16), cfg.requests_at(16, 16)) == (8, 16)
+    s = settings(table, ["--concurrency", "1,16", "--num-requests", "8", "--waves", "3"])
+    assert crun.prompts_needed(s) == 48  # each request a different prompt
+    cfg = crun.throughput_config(s, "http://x", "creative", warmup=0)
+    assert (cfg.requests_at(1, 48), cfg.requests_at(16, 48)) == (8, 48)
+    doc = hand_doc(hand_runs())
+    doc["aggregate"] = agg.aggregate(doc["runs"])
+    assert "4 requests per level, at least as many as in flight, each of at most 64 tokens" in rep.render_report(doc)
+    doc["settings"]["waves"] = 3
+    assert "4 requests per level, at least 3 times as many as in flight, each of at most" in rep.render_report(doc)
+
+
 def test_per_task_tree_sets_run_their_own_task_only(checkout):
     table = checkout(heads=("hydra",), tree_sets=("humaneval", "gsm8k"))
     assert table[0]["entmtp-gsm8k"].only_task == "gsm8k" and table[0]["entmtp"].only_task is None
@@ -368,6 +385,7 @@ def test_default_out_dir(checkout):
     (["--num-requests", "0"], "--num-requests must be >= 1, got 0"),
     (["--max-tokens", "-1"], "--max-tokens must be >= 1"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--waves", "0"], "--waves must be >= 1, got 0"),
     (["--port", "70000"], "--port must be 1..65535"),
     (["--paired", "--methods", "plain,entmtp", "--port", "65535"], "--paired serves 2 methods on ports 65535..65536"),
     (["--startup-timeout", "0"], "--startup-timeout must be > 0"),

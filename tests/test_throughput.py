@@ -408,6 +408,10 @@ def test_fill_levels_sends_a_full_batch_at_every_level(server, tmp_path):
     assert (cfg.requests_at(1, 10), cfg.requests_at(16, 10), cfg.requests_at(None, 10)) == (3, 16, 3)
     cfg = tp.make_config(tp.build_parser().parse_args(["--num-requests", "3"]))
     assert cfg.requests_at(16, 10) == 3
+    cfg = tp.make_config(tp.build_parser().parse_args(["--num-requests", "3", "--fill-levels", "2"]))
+    assert (cfg.requests_at(1, 10), cfg.requests_at(16, 10)) == (3, 32)  # the batch runs full twice over
+    with pytest.raises(tp.BenchmarkError, match="--fill-levels must be >= 0, got -1"):
+        tp.make_config(tp.build_parser().parse_args(["--fill-levels", "-1"]))
 
 
 def test_end_to_end_completions_at_a_request_rate(server, tmp_path):

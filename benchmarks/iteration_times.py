@@ -19,6 +19,7 @@ Output: a Markdown table (one row per log; ``--json`` for the numbers).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import re
 import statistics
@@ -125,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for log in args.logs:
         try:
-            its = parse_iterations(Path(log).read_text(errors="replace").splitlines())
+            raw = Path(log).read_bytes()
+            if log.endswith(".gz"):  # results folders keep server logs compressed
+                raw = gzip.decompress(raw)
+            its = parse_iterations(raw.decode(errors="replace").splitlines())
         except OSError as e:
             print(f"error: {log}: {e}", file=sys.stderr)
             return 2

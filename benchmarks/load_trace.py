@@ -211,8 +211,9 @@ def _row(label, c: dict) -> str:
     return "| " + " | ".join(str(x) for x in cells) + " |"
 
 
-def report(paths: list[str], min_steps: int = 20, drafter_at: int | None = None) -> str:
-    """Markdown: per file and level of at least ``min_steps`` steps, a row per batch size and one for the drain;
+def report(paths: list[str], min_steps: int = 20, drafter_at: int | None = None, gap: float = GAP_S) -> str:
+    """Markdown: per file and level (steps less than ``gap`` seconds apart, :func:`levels`) of at least
+    ``min_steps`` steps, a row per batch size and one for the drain;
     with ``drafter_at``, also that batch size's decode steps by what the drafter did at their end
     (:func:`by_drafter`)."""
     head = ("| requests | steps | s | prompt steps | drafted | ms | draft tokens | of lookup | accepted | plain | ms | "
@@ -220,7 +221,7 @@ def report(paths: list[str], min_steps: int = 20, drafter_at: int | None = None)
             "---:|---:|---:|---:|---:|")
     out = []
     for path in paths:
-        for i, level in enumerate(lv for lv in levels(read(path)) if len(lv) >= min_steps):
+        for i, level in enumerate(lv for lv in levels(read(path), gap) if len(lv) >= min_steps):
             s = summarize(level)
             out += [f"### {os.path.basename(path)}, level {i}: {s['steps']} steps, {s['seconds']:.1f} s", "", head]
             out += [_row(n, c) for n, c in s["by_batch"].items()]
@@ -242,8 +243,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--min-steps", type=int, default=20, help="leave out levels of fewer steps (warm-ups)")
     ap.add_argument("--drafter-at", type=int, default=None, metavar="N",
                     help="also split the decode steps of N requests by what the drafter did at their end")
+    ap.add_argument("--gap", type=float, default=GAP_S, metavar="SECONDS",
+                    help=f"steps further apart start a new level (default {GAP_S}; under steady load a step with "
+                         f"a burst of prompts can take longer: pass more, below the pause between levels)")
     args = ap.parse_args(argv)
-    print(report(args.paths, args.min_steps, args.drafter_at))
+    print(report(args.paths, args.min_steps, args.drafter_at, args.gap))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,12 @@ def test_cli_table_and_a_log_without_iteration_lines(tmp_path, capsys):
     assert "| a.log | 2 | 1 | 10.00 | 10.00 | 1 | 12.00 | 3.00 | 0 | 0 | - |" in out
     assert it.main([str(good), str(bad)]) == 2
     assert "b.log has no iteration lines" in capsys.readouterr().err
+    import gzip  # results folders keep server logs compressed
+
+    packed = tmp_path / "a.log.gz"
+    packed.write_bytes(gzip.compress(good.read_bytes()))
+    assert it.main([str(packed), "--requests", "1"]) == 0
+    assert "| a.log.gz | 2 | 1 | 10.00 | 10.00 | 1 | 12.00 | 3.00 | 0 | 0 | - |" in capsys.readouterr().out
 
 
 def test_drafted_steps_by_draft_tokens_against_a_plain_log(tmp_path, capsys):

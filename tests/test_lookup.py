@@ -526,6 +526,7 @@ def test_the_load_trace_records_the_rules_answers_and_the_drafts_of_each_step(tm
     # step 1 drained (its drafts were proposed in a draining batch) and verified a draft; step 0 is not known to
     assert s["draining"]["steps"] == 1 and s["draining"]["drafted_steps"] == 1 and s["draining"]["probe"] == 0
     assert "level 0: 3 steps" in lt.report([hook.path], min_steps=1)
+    assert "level 0: 5 steps" in lt.report([hook.path], min_steps=1, gap=10.0)  # one level where 5 s is no gap
 
 
 def test_the_load_trace_report_gives_a_drafted_step_the_tokens_the_next_line_says_it_accepted(tmp_path):

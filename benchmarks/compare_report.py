@@ -32,11 +32,12 @@ def _ordered(names, order: list[str]) -> list[str]:
 
 
 def requests_per_level(s: dict) -> str:
-    """The requests a level sent, in words: ``num_requests``, at least ``waves`` times the requests in flight
-    (``waves`` 1 in results written before it existed)."""
+    """The requests a level sent, in words: ``num_requests``, or ``waves`` times the requests in flight where more
+    (``waves`` 1 in results written before it existed), with the count at each level."""
     waves = s.get("waves", 1)
-    least = "as many as" if waves == 1 else f"{waves} times as many as"
-    return f"{s['num_requests']} requests per level, at least {least} in flight"
+    times = "as many as" if waves == 1 else f"{waves} times as many as"
+    counts = ", ".join(f"{max(s['num_requests'], waves * c)} at c{c}" for c in s["concurrency"])
+    return f"{s['num_requests']} requests per level, or {times} in flight where more ({counts})"
 
 
 def runtime_lines(runs: list[dict]) -> list[str]:

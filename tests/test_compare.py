@@ -348,9 +348,11 @@ def test_waves_keep_every_level_full_that_many_times_over(checkout):
     assert (cfg.requests_at(1, 48), cfg.requests_at(16, 48)) == (8, 48)
     doc = hand_doc(hand_runs())
     doc["aggregate"] = agg.aggregate(doc["runs"])
-    assert "4 requests per level, at least as many as in flight, each of at most 64 tokens" in rep.render_report(doc)
+    assert ("4 requests per level, or as many as in flight where more (4 at c1, 4 at c4), each of at most 64 tokens"
+            in rep.render_report(doc))
     doc["settings"]["waves"] = 3
-    assert "4 requests per level, at least 3 times as many as in flight, each of at most" in rep.render_report(doc)
+    md = rep.render_report(doc)
+    assert "4 requests per level, or 3 times as many as in flight where more (4 at c1, 12 at c4)" in md
 
 
 def test_per_task_tree_sets_run_their_own_task_only(checkout):

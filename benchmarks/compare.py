@@ -48,7 +48,8 @@ chat and fiction requests in one batch); on request, ``sharegpt-long`` (chat wit
 context 700-1,800 tokens from its start; give the servers KV cache for it, ``VLLM_CPU_KVCACHE_SPACE=2`` at 32 running).
 
 A level of as many requests as it keeps in flight is one wave and its drain: after the first request ends, fewer
-run (at 16 running on the 2-core EPYC, 40 % of plain decoding's decode time and 59 % of entmtp's). ``--waves N`` sends at least N times as many, so that
+run (at 16 running on the 2-core AVX2 EPYC, about 40 % of plain decoding's decode time and 53-59 % of entmtp's,
+``benchmarks/results/realised-comparison-epyc-2026-12-07/``). ``--waves N`` sends at least N times as many, so that
 new requests keep the batch full for all but the last wave, as under steady load (``vllm bench serve`` sends 1,000
 prompts at any ``--max-concurrency``).
 

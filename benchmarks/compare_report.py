@@ -36,7 +36,7 @@ def requests_per_level(s: dict) -> str:
     (``waves`` 1 in results written before it existed), with the count at each level."""
     waves = s.get("waves", 1)
     times = "as many as" if waves == 1 else f"{waves} times as many as"
-    counts = ", ".join(f"{max(s['num_requests'], waves * c)} at c{c}" for c in s["concurrency"])
+    counts = ", ".join(f"{tp.level_requests(s['num_requests'], waves, c)} at c{c}" for c in s["concurrency"])
     return f"{s['num_requests']} requests per level, or {times} in flight where more ({counts})"
 
 

@@ -24,7 +24,7 @@ MAX_STALL_RETRIES = 2
 def prompts_needed(s: Settings) -> int:
     """Prompts a task loads: ``num_requests``, or ``waves`` times the highest concurrency if more (every level
     runs full ``waves`` times over, each request a different prompt)."""
-    return max(s.num_requests, *(s.waves * c for c in s.concurrency))
+    return max(tp.level_requests(s.num_requests, s.waves, c) for c in s.concurrency)
 
 
 def throughput_config(s: Settings, base_url: str, task: str, warmup: int,

@@ -186,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def level_requests(num_requests: int, waves: int, concurrency: int | None) -> int:
+    """Requests a level sends: ``num_requests``, or ``waves`` times its ``concurrency`` where more (the batch then
+    runs full that many times over; an open-loop level, ``concurrency`` None, sends ``num_requests``)."""
+    return max(num_requests, waves * (concurrency or 0))
+
+
 @dataclass
 class Config:
     base_url: str
@@ -212,8 +218,7 @@ class Config:
     def requests_at(self, concurrency: int | None, num_prompts: int) -> int:
         """Requests a level sends: ``num_requests`` (default one per prompt), at least ``fill_levels`` times
         ``concurrency``."""
-        n = self.num_requests or num_prompts
-        return max(n, self.fill_levels * (concurrency or 0))
+        return level_requests(self.num_requests or num_prompts, self.fill_levels, concurrency)
 
     @property
     def levels(self) -> list[dict]:

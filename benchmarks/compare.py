@@ -34,7 +34,9 @@ a 27-second gap in one level) is measured again, twice at most (``report.md`` li
   ``b2n4``) for every request and step, heads only, run on the task ``mixed`` only: the static configurations the
   per-request schedule is measured against;
 * ``entmtp-<task>``: entmtp with the tree set named after a task (``trees/<task>.json``), scheduled by the signal
-  of its schedule, run on that task only.
+  of its schedule, run on that task only;
+* ``--add-method NAME=SPEC``: one more method of the user's, served with ``--speculative-config SPEC`` (entmtp's
+  options checked before any server starts), e.g. an option against the defaults.
 
 A method whose heads or tree set is not shipped is skipped with a note (naming it in ``--methods`` is an error).
 
@@ -88,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default=None,
                     help="comma-separated methods (default: all available; --list shows them)")
+    ap.add_argument("--add-method", action="append", default=None, metavar="NAME=SPEC",
+                    help="one more method: NAME, run with --speculative-config SPEC (a JSON object); repeatable. "
+                         "Name it in --methods, or leave --methods out to run every method, e.g. "
+                         "--add-method 'margin-0.02={\"method\": \"entmtp\", \"compare_margin\": 0.02}'")
     ap.add_argument("--tasks", default=None, help=f"comma-separated prompt sets (default {DEFAULTS['tasks']})")
     ap.add_argument("--concurrency", default=None,
                     help=f"requests in flight, levels such as 1,4,16 (default {DEFAULTS['concurrency']})")

@@ -2,6 +2,7 @@
 them this checkout can run (its shipped heads and tree sets), the tasks, and the order they run in per repeat."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from throughput import BenchmarkError
@@ -105,6 +106,45 @@ def shipped_method_table() -> tuple[dict[str, Method], dict[str, str]]:
     from vllm_entmtp.trees import available_tree_sets
 
     return method_table(default_heads(), available_tree_sets(), PREFERRED_KINDS)
+
+
+def custom_method(text: str, available: dict[str, Method], skipped: dict[str, str]) -> Method:
+    """A method of ``--add-method NAME=SPEC``: ``SPEC``, a JSON object, is its ``--speculative-config`` (entmtp's
+    keys checked here, as a server would at start-up).
+
+    Raises:
+        BenchmarkError: no ``=``, a name that is taken or not of letters, digits, ``.``, ``_`` and ``-``, a
+        ``SPEC`` that is not a JSON object with a ``method``, or an entmtp option the plugin rejects.
+    """
+    import re
+
+    name, sep, spec_text = text.partition("=")
+    name = name.strip()
+    if not sep:
+        raise BenchmarkError(f"--add-method takes NAME=SPEC (SPEC a --speculative-config JSON object), got {text!r}")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise BenchmarkError(f"--add-method: name {name!r}: use letters, digits, '.', '_' and '-'")
+    if name in available or name in skipped or name in method_order():
+        raise BenchmarkError(f"--add-method: {name!r} is a built-in method's name; choose another")
+    try:
+        spec = json.loads(spec_text)
+    except ValueError as e:
+        raise BenchmarkError(f"--add-method {name}: SPEC is not JSON: {e}") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("method"), str):
+        raise BenchmarkError(f"--add-method {name}: SPEC must be a JSON object with a \"method\", got {spec_text!r}")
+    if is_entmtp(spec):
+        import dataclasses
+
+        from vllm.config.speculative import SpeculativeConfig
+
+        from vllm_entmtp.config import EntMTPConfigError, parse_entmtp_options
+
+        vllm_keys = sorted(f.name for f in dataclasses.fields(SpeculativeConfig))
+        try:
+            parse_entmtp_options({k: v for k, v in spec.items() if k not in vllm_keys}, vllm_keys)
+        except EntMTPConfigError as e:
+            raise BenchmarkError(f"--add-method {name}: {e}") from None
+    return Method(name, spec, f"--add-method: {json.dumps(spec)}")
 
 
 def select_methods(text: str | None, available: dict[str, Method], skipped: dict[str, str]) -> list[Method]:

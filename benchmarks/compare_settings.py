@@ -9,7 +9,7 @@ from datetime import datetime
 from pathlib import Path
 
 import throughput as tp
-from compare_methods import TASKS, Method, parse_tasks, select_methods
+from compare_methods import TASKS, Method, custom_method, parse_tasks, select_methods
 from compare_server import default_dtype
 from throughput import BenchmarkError
 
@@ -75,7 +75,10 @@ def make_settings(args: argparse.Namespace, available: dict[str, Method], skippe
     stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
     if args.quick and args.methods is None:  # the quick set, less what this checkout cannot run
         pick["methods"] = ",".join(n for n in QUICK["methods"].split(",") if n in available)
-    tasks, skipped = parse_tasks(pick["tasks"]), dict(skipped)
+    tasks, skipped, available = parse_tasks(pick["tasks"]), dict(skipped), dict(available)
+    for text in getattr(args, "add_method", None) or []:
+        m = custom_method(text, available, skipped)
+        available[m.name] = m
     methods = select_methods(pick["methods"], available, skipped)
     if pick["methods"] is not None:  # named explicitly: a method for a task not run is a mistake
         for m in methods:

@@ -355,6 +355,20 @@ def test_waves_keep_every_level_full_that_many_times_over(checkout):
     assert "4 requests per level, or 3 times as many as in flight where more (4 at c1, 12 at c4)" in md
 
 
+def test_added_methods_run_with_their_speculative_config(checkout):
+    """``--add-method NAME=SPEC`` serves one more method (e.g. an entmtp option against the defaults), named in
+    --methods like the built-in ones, or run with all of them."""
+    table = checkout()
+    spec = {"method": "entmtp", "compare_margin": 0.02}
+    s = settings(table, ["--methods", "plain,m2,entmtp", "--add-method", f"m2={json.dumps(spec)}"])
+    assert [(m.name, m.spec) for m in s.methods] == [("plain", None), ("m2", spec), ("entmtp", {"method": "entmtp"})]
+    assert s.as_json()["methods"]["m2"]["speculative_config"] == spec
+    s = settings(table, ["--add-method", 'ng2={"method": "ngram", "num_speculative_tokens": 2}'])
+    assert s.methods[-1].name == "ng2" and "ng2" not in table[0]  # all methods, the added one last
+    with pytest.raises(tp.BenchmarkError, match="unknown method 'm3'"):
+        settings(table, ["--methods", "plain,m3", "--add-method", f"m2={json.dumps(spec)}"])
+
+
 def test_per_task_tree_sets_run_their_own_task_only(checkout):
     table = checkout(heads=("hydra",), tree_sets=("humaneval", "gsm8k"))
     assert table[0]["entmtp-gsm8k"].only_task == "gsm8k" and table[0]["entmtp"].only_task is None
@@ -393,6 +407,15 @@ def test_default_out_dir(checkout):
     (["--startup-timeout", "0"], "--startup-timeout must be > 0"),
     (["--fresh-servers"], "--fresh-servers restarts the servers of --paired every repeat; pass --paired too"),
     (["--serve-args", "'unclosed"], "--serve-args"),
+    (["--add-method", "m2"], "--add-method takes NAME=SPEC"),
+    (["--add-method", "entmtp={\"method\": \"entmtp\"}"], "'entmtp' is a built-in method's name"),
+    (["--add-method", "m 2={\"method\": \"entmtp\"}"], "name 'm 2': use letters, digits"),
+    (["--add-method", "m2={method: entmtp}"], "--add-method m2: SPEC is not JSON"),
+    (["--add-method", "m2=[1]"], "--add-method m2: SPEC must be a JSON object with a \"method\""),
+    (["--add-method", "m2={\"method\": \"entmtp\", \"compare_margin\": 2}"],
+     "--add-method m2: invalid --speculative-config for method 'entmtp': compare_margin=2"),
+    (["--add-method", "m2={\"method\": \"entmtp\", \"compare_margn\": 0.02}"],
+     "Did you mean compare_margin"),
 ])
 def test_bad_arguments(checkout, argv, message):
     with pytest.raises(tp.BenchmarkError, match=message.replace("(", r"\(")):

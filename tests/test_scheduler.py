@@ -724,6 +724,28 @@ def test_drafting_rests_on_a_tie_of_the_realised_comparison():
     assert not c.drafting_loses(16)
 
 
+def test_the_option_compare_margin_sets_the_realised_comparisons_margin():
+    """``compare_margin`` reaches the drafter's step costs: 0.02 drafts where the default's 5 % rests, 0.1 rests
+    where it drafts; 0 drafts on a tie."""
+    from vllm_entmtp.config import parse_entmtp_options
+    from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, COMPARE_MIN_PLAIN, StepCosts, drafts_behind
+
+    assert parse_entmtp_options({}, []).compare_margin == 0.05
+    assert not drafts_behind((100.0, 100.0), 0.0) and drafts_behind((99.9, 100.0), 0.0)
+
+    def costs(margin: float, drafted_tokens: int) -> StepCosts:
+        c = StepCosts(margin=parse_entmtp_options({"compare_margin": margin}, []).compare_margin)
+        for _ in range(COMPARE_MIN_PLAIN + 1):
+            c.record_step(16, 16, 0.046, drafted=False)  # 348 tokens/s
+        for _ in range(COMPARE_MIN_DRAFTING + 1):
+            c.record_step(16, drafted_tokens, 0.056, drafted=True)
+        return c
+
+    assert not costs(0.02, 20).drafting_loses(16) and costs(0.05, 20).drafting_loses(16)  # 2.6 % ahead
+    assert costs(0.1, 21).drafting_loses(16) and not costs(0.05, 21).drafting_loses(16)  # 7.8 % ahead
+    assert "16: 357/348;" in costs(0.02, 20).describe() and "16: 357/348 (rests)" in costs(0.05, 20).describe()
+
+
 def test_the_realised_comparison_moves_steps_without_drafts_to_the_drafted_steps_batch_size():
     """Where the steps without drafts come from another batch size than the drafted ones (a draining batch), their
     tokens per second are moved to the drafted steps' batch size by the plain steps' tokens per second at both: a

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 from vllm_entmtp.errors import EntMTPError
+from vllm_entmtp.step_costs import COMPARE_MARGIN
 
 
 class EntMTPConfigError(EntMTPError):
@@ -104,6 +105,12 @@ class EntMTPConfig(BaseModel):
                     "docs/options.md). 'cap': max_verify_tokens_per_step only. 'cost' (experimental): a model "
                     "of one-request costs from the tree set's calibration, then the cap. A tree set without "
                     "build-trees metadata gets the cap only.")
+    compare_margin: float = Field(
+        default=COMPARE_MARGIN, ge=0.0, le=1.0, allow_inf_nan=False,
+        description="load_policy 'measured': at a batch size, the decode steps that verified draft tokens must "
+                    "emit this share more tokens per second than the recent steps that verified none for "
+                    "drafting to go on there; short of it the drafter rests (no heads, no lookup where its own "
+                    "steps lose too) and explores now and then (docs/options.md). 0: a tie drafts.")
     decode_row_cost: float | None = Field(
         default=None, ge=0.0, le=1.0, allow_inf_nan=False,
         description="load_policy 'cost': the time one more request's decode row adds to a step, as a fraction "

@@ -213,10 +213,11 @@ class EntMTPProposer(MedusaProposer):
                             "prior acceptance %.3f (%s)", spec.entmtp.draft_sources, lo, hi,
                             spec.entmtp.lookup_tokens, prior, source)
             if self.scheduler.measured:
-                self.step_costs = StepCosts()
+                self.step_costs = StepCosts(margin=spec.entmtp.compare_margin)
                 self.refills = Refills()
                 logger.info("entmtp: load: step costs measured on this engine decide the drafts per batch size "
-                            "(load_policy 'measured'%s)", "" if self.scheduler.max_verify_tokens_per_step is None
+                            "(load_policy 'measured', compare_margin %g%s)", spec.entmtp.compare_margin,
+                            "" if self.scheduler.max_verify_tokens_per_step is None
                             else f", then max_verify_tokens_per_step {self.scheduler.max_verify_tokens_per_step}")
             elif self.scheduler.cost_model:
                 logger.info("entmtp: load: cost model (decode_row_cost %.3f), then max_verify_tokens_per_step",

@@ -205,7 +205,7 @@ class LoadRules:
         # yield prices the rows)
         if realised is not None and realised <= plain:
             rates = None if token_value is not None else costs.step_rates(batch_size)
-            if rates is None or drafts_behind(rates):
+            if rates is None or drafts_behind(rates, costs.margin):
                 self.stats.not_paying += 1
                 return False
         # the drafting time is the heads' pass, whatever the requests it serves (the lm_head's weights are read

@@ -126,14 +126,14 @@ DRAFTED_FIT_SPAN = 8
 #: batch size (:meth:`StepCosts.drafting_loses`).
 COMPARE_MIN_DRAFTING = 8
 COMPARE_MIN_PLAIN = 4
-#: The steps that verified draft tokens must emit this share more tokens per second than those that verified none
-#: for drafting to go on (:func:`drafts_behind`). A tie costs what the tokens per second of single steps do not
-#: show: requests that accept different numbers of draft tokens finish at different steps, so a level's last steps
-#: run fewer requests, and their successors arrive one or two at a time, each prompt in a step of its own, where
-#: plain decoding's equal-length requests finish together and their successors' prompts run in one step. Served on
-#: the 2-core EPYC (2026-12-05, bfloat16, GSM8K, 32 requests at 16 running): the steps with drafts tied the steps
-#: without (359 against 365 tokens/s), the decode steps took 11.5 s against plain decoding's 11.6 s, and the steps
-#: with prompt tokens 4.9 s against 4.1 s (13 steps against 4): the level ran 0.96x.
+#: The steps that verified draft tokens must emit this share more tokens per second than those that verified none for
+#: drafting to go on (:func:`drafts_behind`; the default of the option ``compare_margin``). A tie costs what the tokens
+#: per second of single steps do not show: requests that accept different numbers of draft tokens finish at different
+#: steps, so a level's last steps run fewer requests, and their successors arrive one or two at a time, each prompt in a
+#: step of its own, where plain decoding's equal-length requests finish together and their successors' prompts run in
+#: one step. Served on the 2-core EPYC (2026-12-05, bfloat16, GSM8K, 32 requests at 16 running): the steps with drafts
+#: tied the steps without (359 against 365 tokens/s), the decode steps took 11.5 s against plain decoding's 11.6 s, and
+#: the steps with prompt tokens 4.9 s against 4.1 s (13 steps against 4): the level ran 0.96x.
 COMPARE_MARGIN = 0.05
 #: Where the drafts a decode step verified came from, for the realised comparison (:meth:`StepCosts.record_step`):
 #: ``"heads"``, some from the heads; ``"lookup"``, all from prompt lookup. The two are compared with the steps
@@ -258,10 +258,11 @@ def last_to_finish(tokens_left: list[int | None], slack: int) -> list[bool]:
     return [t is None or t >= floor for t in tokens_left]
 
 
-def drafts_behind(rates: tuple[float, float]) -> bool:
+def drafts_behind(rates: tuple[float, float], margin: float = COMPARE_MARGIN) -> bool:
     """Whether ``(tokens/s of the steps that verified draft tokens, tokens/s of those that verified none)`` has the
-    drafted steps short of :data:`COMPARE_MARGIN` ahead."""
-    return rates[0] < rates[1] * (1.0 + COMPARE_MARGIN)
+    drafted steps short of ``margin`` (a share; the option ``compare_margin``, default :data:`COMPARE_MARGIN`)
+    ahead."""
+    return rates[0] < rates[1] * (1.0 + margin)
 
 
 def _rate(obs) -> float:
@@ -297,9 +298,10 @@ def _closest(table: dict[int, deque], batch_size: int) -> deque | None:
 class StepCosts:
     """Recent step times by rows verified and drafting times by batch size (seconds)."""
 
-    def __init__(self, window: int = WINDOW, probe_every: int = PROBE_EVERY):
+    def __init__(self, window: int = WINDOW, probe_every: int = PROBE_EVERY, margin: float = COMPARE_MARGIN):
         self.window = window
         self.probe_every = probe_every
+        self.margin = margin  # the realised comparison's (drafting_loses; the option compare_margin)
         self._rows: dict[int, deque] = {}  # row count -> (seconds, clock) observations
         self._plain_rows: dict[int, deque] = {}  # row count -> (seconds, clock) of the steps without draft rows
         # draft rows -> (seconds over the plain step of its batch size then, clock, batch size) of drafted steps
@@ -508,11 +510,11 @@ class StepCosts:
         replaces the inherited one once it has the steps. False with neither."""
         rates = self.step_rates(batch_size, source)
         if rates is not None:
-            return drafts_behind(rates)
+            return drafts_behind(rates, self.margin)
         for b in sorted((b for b in self._steps[source] if b < batch_size), reverse=True):
             rates = self._own_rates(b, source)
             if rates is not None:
-                return drafts_behind(rates)
+                return drafts_behind(rates, self.margin)
         return False
 
     def _own_rates(self, batch_size: int, source: str = "heads") -> tuple[float, float] | None:
@@ -821,7 +823,8 @@ class StepCosts:
                 rates = self._own_rates(b, source)
                 if rates is not None:
                     label = f"{b}" if source == "heads" else f"{b} ({source} alone)"
-                    parts.append(f"{label}: {rates[0]:.0f}/{rates[1]:.0f}{' (rests)' if drafts_behind(rates) else ''}")
+                    rests = " (rests)" if drafts_behind(rates, self.margin) else ""
+                    parts.append(f"{label}: {rates[0]:.0f}/{rates[1]:.0f}{rests}")
         compared = ", ".join(parts) if parts else "none yet"
         return (f"tokens/s of recent steps with/without draft tokens by batch size: {compared}; steps without drafts "
                 f"to measure: probes {self.probes}, references {self.references}; exploring steps {self.explorations}")

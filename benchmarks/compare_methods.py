@@ -125,7 +125,8 @@ def custom_method(text: str, available: dict[str, Method], skipped: dict[str, st
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise BenchmarkError(f"--add-method: name {name!r}: use letters, digits, '.', '_' and '-'")
     if name in available or name in skipped or name in method_order():
-        raise BenchmarkError(f"--add-method: {name!r} is a built-in method's name; choose another")
+        raise BenchmarkError(f"--add-method: {name!r} is taken (a built-in method, or an earlier --add-method); "
+                             "choose another name")
     try:
         spec = json.loads(spec_text)
     except ValueError as e:

@@ -73,12 +73,16 @@ def make_settings(args: argparse.Namespace, available: dict[str, Method], skippe
     if "--dtype" not in serve_args:  # as `make serve`: float32 where bfloat16 GEMMs are not native
         serve_args = ["--dtype", default_dtype()] + serve_args
     stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
-    if args.quick and args.methods is None:  # the quick set, less what this checkout cannot run
-        pick["methods"] = ",".join(n for n in QUICK["methods"].split(",") if n in available)
     tasks, skipped, available = parse_tasks(pick["tasks"]), dict(skipped), dict(available)
-    for text in getattr(args, "add_method", None) or []:
-        m = custom_method(text, available, skipped)
+    added = [custom_method(text, available, skipped) for text in getattr(args, "add_method", None) or []]
+    for i, m in enumerate(added):
+        if m.name in (a.name for a in added[:i]):
+            raise BenchmarkError(f"--add-method: {m.name!r} is taken (a built-in method, or an earlier "
+                                 "--add-method); choose another name")
         available[m.name] = m
+    if args.quick and args.methods is None:  # the quick set, less what this checkout cannot run, and those added
+        pick["methods"] = ",".join([*(n for n in QUICK["methods"].split(",") if n in available),
+                                    *(m.name for m in added)])
     methods = select_methods(pick["methods"], available, skipped)
     if pick["methods"] is not None:  # named explicitly: a method for a task not run is a mistake
         for m in methods:

@@ -367,6 +367,8 @@ def test_added_methods_run_with_their_speculative_config(checkout):
     assert s.methods[-1].name == "ng2" and "ng2" not in table[0]  # all methods, the added one last
     with pytest.raises(tp.BenchmarkError, match="unknown method 'm3'"):
         settings(table, ["--methods", "plain,m3", "--add-method", f"m2={json.dumps(spec)}"])
+    s = settings(table, ["--quick", "--add-method", f"m2={json.dumps(spec)}"])  # the quick set and the added one
+    assert [m.name for m in s.methods] == ["plain", "vllm-medusa", "entmtp", "m2"]
 
 
 def test_per_task_tree_sets_run_their_own_task_only(checkout):

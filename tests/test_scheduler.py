@@ -725,8 +725,8 @@ def test_drafting_rests_on_a_tie_of_the_realised_comparison():
 
 
 def test_the_option_compare_margin_sets_the_realised_comparisons_margin():
-    """``compare_margin`` reaches the drafter's step costs: 0.02 drafts where the default's 5 % rests, 0.1 rests
-    where it drafts; 0 drafts on a tie."""
+    """``compare_margin`` sets the margin of the step costs a drafter builds (``StepCosts.from_options``): 0.02
+    drafts where the default's 5 % rests, 0.1 rests where it drafts; 0 drafts on a tie."""
     from vllm_entmtp.config import parse_entmtp_options
     from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, COMPARE_MIN_PLAIN, StepCosts, drafts_behind
 
@@ -734,7 +734,7 @@ def test_the_option_compare_margin_sets_the_realised_comparisons_margin():
     assert not drafts_behind((100.0, 100.0), 0.0) and drafts_behind((99.9, 100.0), 0.0)
 
     def costs(margin: float, drafted_tokens: int) -> StepCosts:
-        c = StepCosts(margin=parse_entmtp_options({"compare_margin": margin}, []).compare_margin)
+        c = StepCosts.from_options(parse_entmtp_options({"compare_margin": margin}, []))
         for _ in range(COMPARE_MIN_PLAIN + 1):
             c.record_step(16, 16, 0.046, drafted=False)  # 348 tokens/s
         for _ in range(COMPARE_MIN_DRAFTING + 1):
@@ -1014,6 +1014,24 @@ def test_the_realised_comparison_overrules_the_heads_yield_and_exploring_steps_d
     for _ in range(16):
         c.record_step(16, 17, 0.036, drafted=True)  # 472 tokens/s: the drafted steps fall behind
     assert c.drafting_loses(16) and not s.drafting_pays(16, c)
+
+
+def test_the_realised_comparison_overrules_a_low_yield_by_the_options_margin():
+    """The load rule reads the realised comparison's margin from the step costs (``compare_margin``): drafted steps
+    3 % ahead of the steps without drafts keep the heads running against a low yield at a margin of 2 %, not at the
+    default 5 %."""
+    from vllm_entmtp.step_costs import COMPARE_MIN_DRAFTING, COMPARE_MIN_PLAIN, YIELD_MIN_STEPS
+
+    for margin, pays in ((0.02, True), (0.05, False)):
+        s, c = _plain_steps_of_30_ms_at_16()
+        c.margin = margin
+        for _ in range(YIELD_MIN_STEPS + 1):
+            c.record_heads_yield(16, 1, 0.005)  # 200 tokens/s against the plain step's 533
+        for _ in range(COMPARE_MIN_PLAIN + 1):
+            c.record_step(16, 16, 0.030, drafted=False)  # 533 tokens/s
+        for _ in range(COMPARE_MIN_DRAFTING + 1):
+            c.record_step(16, 22, 0.040, drafted=True)  # 550 tokens/s: 3.1 % ahead
+        assert s.drafting_pays(16, c) is pays and c.drafting_loses(16) is not pays, margin
 
 
 def test_a_low_heads_yield_ages_out_and_the_heads_are_judged_again():

@@ -213,10 +213,10 @@ class EntMTPProposer(MedusaProposer):
                             "prior acceptance %.3f (%s)", spec.entmtp.draft_sources, lo, hi,
                             spec.entmtp.lookup_tokens, prior, source)
             if self.scheduler.measured:
-                self.step_costs = StepCosts(margin=spec.entmtp.compare_margin)
+                self.step_costs = StepCosts.from_options(spec.entmtp)
                 self.refills = Refills()
                 logger.info("entmtp: load: step costs measured on this engine decide the drafts per batch size "
-                            "(load_policy 'measured', compare_margin %g%s)", spec.entmtp.compare_margin,
+                            "(load_policy 'measured', compare_margin %g%s)", self.step_costs.margin,
                             "" if self.scheduler.max_verify_tokens_per_step is None
                             else f", then max_verify_tokens_per_step {self.scheduler.max_verify_tokens_per_step}")
             elif self.scheduler.cost_model:
@@ -500,7 +500,7 @@ class EntMTPProposer(MedusaProposer):
         self._valued = value is not None
         # a plain step of this many rows is not measured, or the realised comparison lacks recent steps without drafts
         probe = costs is not None and free and (costs.needs_probe(n) or (value is None and costs.needs_reference(n)))
-        # where the steps that verified the heads' drafts have not emitted COMPARE_MARGIN more tokens per second than
+        # where the steps that verified the heads' drafts have not emitted compare_margin more tokens per second than
         # those that verified none, the heads do not run, but now and then the schedule explores (needs_exploration);
         # prompt lookup searches there unless the steps with its drafts alone lose too (StepCosts.DRAFT_SOURCES); not
         # while the batch drains with some requests ahead, where tokens per second of the whole batch are not what a

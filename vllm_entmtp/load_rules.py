@@ -178,7 +178,7 @@ class LoadRules:
         :meth:`StepCosts.heads_yield <vllm_entmtp.step_costs.StepCosts.heads_yield>`) must beat the plain step's
         tokens per second, unless the realised comparison at this batch size
         (:meth:`StepCosts.step_rates <vllm_entmtp.step_costs.StepCosts.step_rates>`) has the steps that verified
-        drafts ahead of those that verified none by :data:`~vllm_entmtp.step_costs.COMPARE_MARGIN`: it measures
+        drafts ahead of those that verified none by its margin (the option ``compare_margin``): it measures
         what the yield estimates (the yield prices the heads' rows by the step-cost curve, and charges a drafting
         step's fixed cost to the heads alone). Served,
         creative writing at 32 running (2026-12-05, AMX Xeon), the yield read 504 tokens/s against the plain
@@ -201,7 +201,7 @@ class LoadRules:
         plain = batch_size / curve[0] if token_value is None else 1.0 / token_value
         realised = costs.heads_yield(batch_size)
         # the heads, as they have fared at this batch size, unless the steps that verified drafts here emitted
-        # COMPARE_MARGIN more tokens per second than those that verified none (every cost measured, where the
+        # compare_margin more tokens per second than those that verified none (every cost measured, where the
         # yield prices the rows)
         if realised is not None and realised <= plain:
             rates = None if token_value is not None else costs.step_rates(batch_size)

@@ -66,9 +66,10 @@ tree; a step whose drafting ran the heads counts as theirs whatever it verified,
 the steps without drafts are what resting costs), among the last :data:`STEP_RATE_MAX_AGE` engine steps (a
 drafted step also leaves once as many requests as its batch size have finished since: :meth:`StepCosts.tick`;
 steps without drafts at another batch size than the drafted ones are moved to it by the plain steps' tokens per
-second, :meth:`StepCosts.step_rates`); where the steps with the heads' drafts have not
-emitted :data:`COMPARE_MARGIN` more tokens per second than those without (:meth:`StepCosts.drafting_loses`; a tie
-costs what single steps do not show), the heads do not run at that batch size and explore as above (2026-12-02,
+second, :meth:`StepCosts.step_rates`); where the steps with the heads' drafts have not emitted the option
+``compare_margin`` (default :data:`COMPARE_MARGIN`) more tokens per second than those without
+(:meth:`StepCosts.drafting_loses`; a tie costs what single steps do not show), the heads do not run at that batch
+size and explore as above (2026-12-02,
 served, ShareGPT, 16 running, bfloat16: entmtp ran 0.78-0.92x plain decoding while drafting in a quarter of the
 request-steps); prompt lookup still drafts there unless the steps with its drafts alone lose the same comparison
 (``source="lookup"``), as its drafts cost no head and on chat are accepted far more often under load
@@ -329,6 +330,12 @@ class StepCosts:
         self.references = 0  # steps without drafts for the realised comparison (needs_reference)
         self.explorations = 0
 
+    @classmethod
+    def from_options(cls, options) -> StepCosts:
+        """The step costs of a drafter with these entmtp options (:class:`~vllm_entmtp.config.EntMTPConfig`): the
+        realised comparison's margin is ``compare_margin``."""
+        return cls(margin=options.compare_margin)
+
     # -- observations ---------------------------------------------------------------------------------------------
 
     def record_rows(self, rows: int, seconds: float, batch_size: int | None = None) -> None:
@@ -496,8 +503,8 @@ class StepCosts:
     def drafting_loses(self, batch_size: int, source: str = "heads") -> bool:
         """Whether, at ``batch_size`` requests, the decode steps that verified draft tokens of ``source``
         (:data:`DRAFT_SOURCES`: ``"heads"``, steps some of whose drafts came from the heads; ``"lookup"``, steps
-        whose drafts all came from prompt lookup) have not emitted :data:`COMPARE_MARGIN` more tokens per second
-        than those that verified none (:meth:`step_rates`, :func:`drafts_behind`): what drafting actually returned
+        whose drafts all came from prompt lookup) have not emitted :attr:`margin` (``compare_margin``) more tokens
+        per second than those that verified none (:meth:`step_rates`, :func:`drafts_behind`): what drafting actually returned
         against what it actually cost, every cost included (the rows' attention over long contexts, the heads,
         lookup and sampling).
 
@@ -801,8 +808,8 @@ class StepCosts:
         GSM8K, 32 requests at 16 running), the steps in which a level's batch drained took 10 of its 30 seconds,
         and 55 of those 170 steps drafted (at 10 requests 2 of 31, the rule finding that no draft paid): a token
         of the request that finishes last is worth a step of one request, about 27 ms there, not a plain token of
-        ten (5.4 ms). None where that is not :data:`COMPARE_MARGIN` more than a plain token of the batch now
-        running (``rows_time(batch_size) / batch_size``; so also where nobody is ahead): there every request's
+        ten (5.4 ms). None where that is not :data:`COMPARE_MARGIN` (fixed: the option ``compare_margin`` is the
+        realised comparison's) more than a plain token of the batch now running (``rows_time(batch_size) / batch_size``; so also where nobody is ahead): there every request's
         token counts about alike, and the rules judge by the batch's tokens per second, the realised comparison
         included; None where the rows' curve is not measured."""
         if not 1 <= last < batch_size:

@@ -74,12 +74,10 @@ def make_settings(args: argparse.Namespace, available: dict[str, Method], skippe
         serve_args = ["--dtype", default_dtype()] + serve_args
     stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
     tasks, skipped, available = parse_tasks(pick["tasks"]), dict(skipped), dict(available)
-    added = [custom_method(text, available, skipped) for text in getattr(args, "add_method", None) or []]
-    for i, m in enumerate(added):
-        if m.name in (a.name for a in added[:i]):
-            raise BenchmarkError(f"--add-method: {m.name!r} is taken (a built-in method, or an earlier "
-                                 "--add-method); choose another name")
-        available[m.name] = m
+    added = []
+    for text in getattr(args, "add_method", None) or []:  # each name checked against the earlier ones too
+        added.append(custom_method(text, available, skipped))
+        available[added[-1].name] = added[-1]
     if args.quick and args.methods is None:  # the quick set, less what this checkout cannot run, and those added
         pick["methods"] = ",".join([*(n for n in QUICK["methods"].split(",") if n in available),
                                     *(m.name for m in added)])

@@ -134,13 +134,10 @@ def custom_method(text: str, available: dict[str, Method], skipped: dict[str, st
     if not isinstance(spec, dict) or not isinstance(spec.get("method"), str):
         raise BenchmarkError(f"--add-method {name}: SPEC must be a JSON object with a \"method\", got {spec_text!r}")
     if is_entmtp(spec):
-        import dataclasses
-
-        from vllm.config.speculative import SpeculativeConfig
-
         from vllm_entmtp.config import EntMTPConfigError, parse_entmtp_options
+        from vllm_entmtp.patches.config import vllm_speculative_keys
 
-        vllm_keys = sorted(f.name for f in dataclasses.fields(SpeculativeConfig))
+        vllm_keys = vllm_speculative_keys()
         try:
             parse_entmtp_options({k: v for k, v in spec.items() if k not in vllm_keys}, vllm_keys)
         except EntMTPConfigError as e:

@@ -113,6 +113,19 @@ def test_missing_heads_folder_is_refused(spec_cls, target_model_config, tmp_path
         _make(spec_cls, target_model_config, method="entmtp", model=str(tmp_path / "nope"))
 
 
+def test_vllm_speculative_keys_are_the_users_and_none_of_entmtps(spec_cls):
+    from vllm_entmtp.config import EntMTPConfig
+    from vllm_entmtp.patches.config import vllm_speculative_keys
+
+    keys = vllm_speculative_keys()
+    assert keys == sorted(keys)
+    assert {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"} <= set(keys)
+    # set by vLLM itself, so not listed to users as allowed keys
+    assert not {"target_model_config", "target_parallel_config", "draft_model_config"} & set(keys)
+    # entmtp's options are the keys vLLM does not define; one of both would be read twice
+    assert not set(EntMTPConfig.model_fields) & set(keys)
+
+
 def test_other_methods_still_refuse_unknown_keys(spec_cls, target_model_config):
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['draft_confidence_threshold'\].*'ngram'"):
         _make(spec_cls, target_model_config, method="ngram", num_speculative_tokens=2,

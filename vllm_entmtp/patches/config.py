@@ -22,6 +22,19 @@ METHOD = "entmtp"
 INNER_METHOD = "medusa"
 
 
+#: SpeculativeConfig fields that vLLM sets itself, not users.
+_INTERNAL_KEYS = frozenset({"target_model_config", "target_parallel_config", "draft_model_config",
+                            "draft_parallel_config", "draft_load_config"})
+
+
+def vllm_speculative_keys() -> list[str]:
+    """The keys a user may give vLLM's ``SpeculativeConfig`` (``--speculative-config``), sorted: its init fields
+    less those vLLM sets itself. Every other key of an entmtp config is entmtp's (:func:`parse_entmtp_options`)."""
+    from vllm.config.speculative import SpeculativeConfig
+
+    return sorted(f.name for f in dataclasses.fields(SpeculativeConfig) if f.init and f.name not in _INTERNAL_KEYS)
+
+
 def _extra_keys(obj) -> list[str]:
     fields = obj.__dataclass_fields__
     return [k for k in vars(obj) if k not in fields and not k.startswith("_")]
@@ -144,9 +157,7 @@ def apply() -> None:
     lit = Union[S.SpeculativeMethod, Literal[METHOD]] | None
     SC.__annotations__["method"] = lit
     SC.__dataclass_fields__["method"].type = lit
-    internal = {"target_model_config", "target_parallel_config", "draft_model_config", "draft_parallel_config",
-                "draft_load_config"}  # set by vLLM itself, not by users
-    vllm_keys = sorted(f.name for f in dataclasses.fields(SC) if f.init and f.name not in internal)
+    vllm_keys = vllm_speculative_keys()
     orig_post_init = SC.__post_init__
 
     def __post_init__(self) -> None:

@@ -14,7 +14,9 @@ and batched verification come into play); with ``--repeats`` the phases are rota
 tokens/s are summed over the rounds. ``--interleave prompt`` (the default at one request at a time) goes further:
 a phase is one prompt under one variant, and every prompt runs under all the variants back to back (their order
 rotated by round and prompt), so a few seconds of the machine's drift fall on every variant alike instead of on
-one variant's whole phase. Same engine, same process, same prompts: the ratios are fair ones. ``--skip-prompts N``
+one variant's whole phase. The engine's prefix cache is emptied before every phase, so that each computes its
+prompts (until 2026-12-07 it was kept, and the variants after a prompt's first phase found it cached). Same
+engine, same process, same prompts: the ratios are fair ones. ``--skip-prompts N``
 measures on prompts after the first N, which ``build-trees --num-prompts N`` calibrated the set on.
 
 Per variant: output tokens/s and its ratio to no drafting and to the best static tree, mean acceptance length
@@ -414,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     job = {"model": args.model or str(prepare_default_model()), "speculative_config": spec, "dtype": args.dtype,
            "max_model_len": 2048, "max_num_seqs": max(4, args.concurrency), "conversations": convs,
            "max_tokens": args.max_tokens, "engine_args": {"enforce_eager": not args.compiled},
-           "phases": [{"name": phase_name(r, p, n), "concurrency": args.concurrency,
+           # every phase computes its prompts: kept, the prefix cache served the later variants' prompts
+           "phases": [{"name": phase_name(r, p, n), "concurrency": args.concurrency, "reset_prefix_cache": True,
                        "prompts": None if p is None else [p],
                        "extra_args": ([vs[n]] * (len(convs) if p is None else 1)) if vs[n] is not None else None}
                       for r, p, n in order]}

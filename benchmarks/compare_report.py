@@ -91,6 +91,13 @@ def render_report(doc: dict) -> str:
         order = ("" if s.get("paired") else "Methods ran interleaved: their order was rotated every repeat. ")
         out += ["", f"{order}Each figure is the mean over the {s['repeats']} repeats, [min–max] after it; a ratio "
                 f"is taken within each repeat, then averaged."]
+    resets = {bool((r.get("config") or {}).get("reset_prefix_cache")) for r in doc["runs"]}
+    if resets == {True}:
+        out += ["", "Every server's prefix cache was emptied before every level: each level computed its prompts."]
+    elif resets:
+        out += ["", "**Prefix cache kept between levels** (a run before `--reset-prefix-cache`): every level and "
+                "repeat sends the same prompts, so a level could find prompts that an earlier level or repeat of "
+                "the same server had sent already cached (only their last block computed)."]
     if s.get("enforce_eager"):
         out += ["", "The servers ran with `--enforce-eager` (no torch.compile): faster start-up, but every "
                 "method's speed differs from a compiled server's."]

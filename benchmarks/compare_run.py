@@ -30,11 +30,12 @@ def prompts_needed(s: Settings) -> int:
 def throughput_config(s: Settings, base_url: str, task: str, warmup: int,
                       concurrency: list[int] | None = None) -> tp.Config:
     """The load generator's settings for ``task`` on the server at ``base_url``: every level of ``s`` or those of
-    ``concurrency``."""
+    ``concurrency``; the server's prefix cache emptied before every level (every level and repeat sends the same
+    prompts to a server: kept, a later one found them cached and computed only their last block)."""
     argv = ["--base-url", base_url, "--model", SERVED_MODEL_NAME, "--dataset", task, "--num-prompts",
             str(prompts_needed(s)), "--num-requests", str(s.num_requests), "--fill-levels", str(s.waves),
             "--concurrency", ",".join(map(str, concurrency or s.concurrency)), "--max-tokens", str(s.max_tokens),
-            "--temperature", "0", "--seed", "0", "--warmup-requests", str(warmup)]
+            "--temperature", "0", "--seed", "0", "--warmup-requests", str(warmup), "--reset-prefix-cache"]
     if s.ignore_eos:
         argv.append("--ignore-eos")
     return tp.make_config(tp.build_parser().parse_args(argv))

@@ -21,7 +21,9 @@ from throughput import BenchmarkError
 
 HOST = "127.0.0.1"
 MEM_UTIL = "0.5"  # tools/serve.sh: vLLM's CPU start-up check of free memory fails at its default 0.92
-SERVER_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}  # as tools/serve.sh
+#: as tools/serve.sh, and vLLM's development endpoints (``POST /reset_prefix_cache``: the benchmark empties the
+#: prefix cache before every level; the servers listen on localhost only)
+SERVER_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
 LOG_TAIL_LINES = 40
 
 

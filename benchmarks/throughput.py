@@ -11,6 +11,11 @@ prompt text, no chat template). Prompts come from a project prompt set (``humane
 or from a JSONL file of ``{"prompt": "..."}`` (or ``{"messages": [...]}``) lines; request ``i`` of a level uses
 prompt ``i mod num_prompts``, so every level sends the same prompts in the same order.
 
+A server's prefix cache would then hold a later level's prompts from an earlier level (or run), and compute only
+their last block: ``--reset-prefix-cache`` empties it before every level (vLLM's ``POST /reset_prefix_cache``, a
+development endpoint: start the server with ``VLLM_SERVER_DEV_MODE=1``), so that every level computes its prompts
+as a new user's would be (``benchmarks/compare.py`` always does).
+
 Load levels run one after another: ``--concurrency 1,4,16`` keeps that many requests in flight (closed loop);
 ``--request-rate 0.5,2`` sends requests at Poisson arrivals of that many per second (open loop, ``inf`` = all at
 once), like ``vllm bench serve``. A level ends after ``--num-requests`` requests (default: one per prompt) or,
@@ -180,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ask the server (vLLM extension) to generate --max-tokens tokens every time")
     ap.add_argument("--warmup-requests", type=int, default=1,
                     help="unmeasured requests sent first; a failing one stops the run (default 1)")
+    ap.add_argument("--reset-prefix-cache", action="store_true",
+                    help="empty the server's prefix cache before every level (vLLM's POST /reset_prefix_cache: serve "
+                         "with VLLM_SERVER_DEV_MODE=1), so that no level finds its prompts cached by an earlier one")
     ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
     ap.add_argument("--result-json", default=None, help="write the config, machine and per-level results here")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -214,6 +222,7 @@ class Config:
     progress: bool
     hf_column: str | None = None
     fill_levels: int = 0  # a concurrency level sends at least this many times its concurrency
+    reset_prefix_cache: bool = False  # empty the server's prefix cache before every level
 
     def requests_at(self, concurrency: int | None, num_prompts: int) -> int:
         """Requests a level sends: ``num_requests`` (default one per prompt), at least ``fill_levels`` times
@@ -263,7 +272,7 @@ def make_config(args: argparse.Namespace) -> Config:
         temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos,
         warmup_requests=args.warmup_requests, request_timeout=args.request_timeout,
         result_json=args.result_json, progress=not args.no_progress, hf_column=args.hf_column,
-        fill_levels=getattr(args, "fill_levels", 0))
+        fill_levels=getattr(args, "fill_levels", 0), reset_prefix_cache=getattr(args, "reset_prefix_cache", False))
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -674,6 +683,33 @@ async def fetch_metrics(session: aiohttp.ClientSession, base_url: str,
         return None
 
 
+async def reset_prefix_cache(session: aiohttp.ClientSession, base_url: str, tries: int = 30,
+                             wait_s: float = 1.0) -> None:
+    """Empties the server's prefix cache: vLLM's ``POST /reset_prefix_cache`` (a development endpoint, served with
+    ``VLLM_SERVER_DEV_MODE=1``), again every ``wait_s`` while it answers ``{"success": false}`` (blocks still held
+    by requests the server is finishing), at most ``tries`` times.
+
+    Raises:
+        BenchmarkError: the server has no such endpoint, answers with an error, or keeps its cache.
+    """
+    url = f"{base_url}/reset_prefix_cache"
+    for _ in range(tries):
+        try:
+            async with session.post(url, timeout=aiohttp.ClientTimeout(total=60)) as resp:
+                if resp.status == 404:
+                    raise BenchmarkError(f"{url}: not found; --reset-prefix-cache needs vLLM's development endpoints "
+                                         "(start the server with VLLM_SERVER_DEV_MODE=1), or leave the option out")
+                if resp.status != 200:
+                    raise BenchmarkError(f"POST {url}: HTTP {resp.status}: {(await resp.text())[:200]}")
+                body = await resp.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            raise BenchmarkError(f"POST {url} failed: {type(e).__name__}: {e}") from None
+        if not isinstance(body, dict) or body.get("success", True):
+            return
+        await asyncio.sleep(wait_s)
+    raise BenchmarkError(f"POST {url}: the server kept its prefix cache (blocks still held) after {tries} tries")
+
+
 # ------------------------------------------------------------------------------------------ load levels
 class StallWatch:
     """The longest time this process stood still inside a ``with`` block: a thread wakes every ``interval_s``
@@ -770,6 +806,8 @@ async def run_benchmark(cfg: Config, prompts: list[list[dict]]) -> dict:
         for level in cfg.levels:
             c, rate = level["concurrency"], level["request_rate"]
             desc = f"concurrency {c}" if rate is None else f"rate {rate:g}/s"
+            if cfg.reset_prefix_cache:  # after the warm-up and the level before: this level computes its prompts
+                await reset_prefix_cache(session, cfg.base_url)
             with StallWatch() as watch:
                 records, duration = await run_level(
                     session, url, payloads, cfg.requests_at(c, len(prompts)), c, rate, cfg.max_seconds,

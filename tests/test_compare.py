@@ -577,6 +577,17 @@ def test_render_report():
     assert "| entmtp | mc24 100% |" in md.split("### humaneval, concurrency 4")[1]
     assert "![throughput](throughput.png)" in md
     assert "Incomplete" not in md and "## Errors" not in md
+    assert "Prefix cache kept between levels" in md  # hand_runs' configs predate --reset-prefix-cache
+    for r in doc["runs"]:
+        r["config"] = {"reset_prefix_cache": True}
+    md = rep.render_report(doc)
+    assert "prefix cache was emptied before every level" in md and "Prefix cache kept" not in md
+
+
+def test_every_level_empties_the_servers_prefix_cache(checkout):
+    s = settings(checkout(), ["--tasks", "gsm8k", "--concurrency", "1,16"])
+    assert crun.throughput_config(s, "http://x", "gsm8k", warmup=1).reset_prefix_cache
+    assert srv.SERVER_ENV_DEFAULTS["VLLM_SERVER_DEV_MODE"] == "1"  # the endpoint that empties it
 
 
 

@@ -202,7 +202,8 @@ def runs(tmp_path_factory, default_model, default_heads, shipped_heads):
                    ABORT, {"name": "matrix", "concurrency": 16, "requests": MATRIX, "prompts": MATRIX_PROMPTS},
                    {"name": "faults", "concurrency": 16, "prompts": FAULT_PROMPTS, "faults": ["draft", "verify"]},
                    {"name": "again_a", "concurrency": 1, "prompts": [0]},
-                   {"name": "again_b", "concurrency": 1, "prompts": [0]}]
+                   {"name": "again_b", "concurrency": 1, "prompts": [0]},
+                   {"name": "again_c", "concurrency": 1, "prompts": [0], "reset_prefix_cache": True}]
     tree = functools.partial(_run, tmp, "tree", default_model,
                              {"method": "entmtp", "tree_set": tree_set, "policy": policy, "load_policy": "cap",
                               "max_verify_tokens_per_step": 64, "draft_sources": "heads"},
@@ -372,6 +373,10 @@ def test_a_prompt_served_from_the_prefix_cache_gives_the_same_output(runs):
     a, b = spec["tree"]["again_a"], spec["tree"]["again_b"]
     assert b["engine"]["prefix_cache_hits"] - a["engine"]["prefix_cache_hits"] >= 128  # a whole block
     assert a["token_ids"][0] == b["token_ids"][0] == plain["bs1"]["token_ids"][0]
+    # after the cache is emptied (the benchmarks' phases, harness "reset_prefix_cache") the prompt is computed again
+    c = spec["tree"]["again_c"]
+    assert c["engine"]["prefix_cache_hits"] == b["engine"]["prefix_cache_hits"]
+    assert c["token_ids"][0] == plain["bs1"]["token_ids"][0]
 
 
 def test_sampling_with_seeds_is_reproducible_with_drafts_accepted(runs):

@@ -112,6 +112,43 @@ def test_metrics_export_the_fallback_counters(server):
     assert "# TYPE vllm:entmtp_fallbacks_total counter" in text, json.dumps(text[-2000:])
 
 
+def _prefix_cache_hits(server) -> float:
+    """The server's prompt tokens found in its prefix cache so far (``vllm:prefix_cache_hits_total``)."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return sum(float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def test_the_benchmarks_prefix_cache_reset_makes_a_repeated_prompt_computed_again(server):
+    """``benchmarks/compare.py`` sends every level the same prompts and empties each server's prefix cache before
+    a level (``throughput.py --reset-prefix-cache``; its servers run with ``VLLM_SERVER_DEV_MODE=1``): a prompt
+    sent again is found cached before the reset and not after it, and the entmtp server serves on."""
+    import asyncio
+
+    import aiohttp
+
+    tp = load_benchmark("throughput")
+    prompt = {"messages": [{"role": "user", "content": "Tell me about the old harbour of the city. " * 30}],
+              "max_tokens": 4}  # about 300 prompt tokens: two full KV blocks of 128 to find cached
+
+    async def reset():
+        async with aiohttp.ClientSession() as session:
+            await tp.reset_prefix_cache(session, server.base_url)
+
+    asyncio.run(reset())
+    first = _chat(server, **prompt)
+    before = _prefix_cache_hits(server)
+    assert _chat(server, **prompt) == first
+    cached = _prefix_cache_hits(server)
+    assert cached >= before + 128, (before, cached)
+    asyncio.run(reset())
+    assert _chat(server, **prompt) == first
+    assert _prefix_cache_hits(server) == cached
+
+
 def test_a_minute_of_soak_with_disconnects_and_preemption(server, tmp_path):
     """CI's short version of benchmarks/soak.py (a full run's report is under benchmarks/results/soak-*)."""
     soak = load_benchmark("soak")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
@@ -270,7 +272,10 @@ class FakeServer:
         self.in_flight = self.max_in_flight = 0
         self.bodies: list[dict] = []
         self.auth: list[str | None] = []
+        self.events: list[str] = []  # "request" per generation request, "reset" per prefix-cache reset
+        self.reset_answers: list[bool] = []  # what POST /reset_prefix_cache answers, in turn (then success)
         app = web.Application()
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/chat/completions", self.generate)
@@ -292,12 +297,17 @@ class FakeServer:
     async def models(self, request):
         return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
+    async def reset_prefix_cache(self, request):  # vLLM's development endpoint
+        self.events.append("reset")
+        return web.json_response({"success": self.reset_answers.pop(0) if self.reset_answers else True})
+
     async def metrics(self, request):
         return web.Response(text=self.counters.text(), content_type="text/plain")
 
     async def generate(self, request):
         body = await request.json()
         self.bodies.append(body)
+        self.events.append("request")
         self.auth.append(request.headers.get("Authorization"))
         if body.get("model") != "fake-model":
             return web.json_response({"error": {"message": "no such model"}}, status=404)
@@ -333,6 +343,45 @@ def server():
     s = FakeServer()
     yield s
     s.close()
+
+
+def test_reset_prefix_cache_empties_the_cache_before_every_level(server, tmp_path, monkeypatch, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(2)))
+    argv = ["--base-url", server.url, "--dataset", str(prompts), "--concurrency", "1,2", "--num-requests", "2",
+            "--max-tokens", "6", "--no-progress"]
+    assert tp.main(argv) == 0 and "reset" not in server.events  # off by default
+    server.events.clear()
+    server.reset_answers = [False, False]  # blocks still held: asked again until it empties
+    monkeypatch.setattr(tp, "reset_prefix_cache", functools.partial(tp.reset_prefix_cache, wait_s=0.01))
+    assert tp.main(argv + ["--reset-prefix-cache"]) == 0
+    # the warm-up request, then before each level a reset (three tries for the first), then its two requests
+    assert server.events == ["request", "reset", "reset", "reset", "request", "request", "reset", "request", "request"]
+
+    server.reset_answers = [False] * 40
+    assert tp.main(argv + ["--reset-prefix-cache"]) == 2
+    assert "kept its prefix cache (blocks still held) after 30 tries" in capsys.readouterr().err
+
+
+def test_reset_prefix_cache_without_the_endpoint_names_the_setting(tmp_path):
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    async def check():
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = "http://127.0.0.1:%d" % runner.addresses[0][1]
+        try:
+            async with aiohttp.ClientSession() as session:
+                await tp.reset_prefix_cache(session, url)
+        finally:
+            await runner.cleanup()
+
+    with pytest.raises(tp.BenchmarkError, match=r"/reset_prefix_cache: not found; .*VLLM_SERVER_DEV_MODE=1"):
+        asyncio.run(check())
 
 
 def test_end_to_end_concurrency_sweep(server, tmp_path, capsys):

@@ -304,9 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     "phases": [{"name": "bs1", "concurrency": 1, "extra_args": [...] | null, "stop": [...] | null,
     "temperature": 0.0, "top_p": 1.0, "top_k": 0, "prompts": [indices into conversations] | null,
     "abort_every": k | null, "abort_after_steps": n, "requests": [per-request SamplingParams dicts] | null,
-    "faults": [stages] | null}, ...]}`` (a phase with ``abort_every`` runs :func:`generate_with_aborts`, its
-    ``concurrency`` ignored; one with ``requests`` runs :func:`generate_requests`; ``faults`` are installed in
-    the workers for that phase only, :func:`install_faults`).
+    "faults": [stages] | null, "reset_prefix_cache": bool}, ...]}`` (a phase with ``abort_every`` runs
+    :func:`generate_with_aborts`, its ``concurrency`` ignored; one with ``requests`` runs :func:`generate_requests`;
+    ``faults`` are installed in the workers for that phase only, :func:`install_faults`; ``reset_prefix_cache``
+    empties the engine's prefix cache before the phase, so that it computes prompts an earlier phase sent).
     OUT: ``{phase name: generate_chat(...) result + "tree_stats", "entmtp_metrics", "engine" (engine_counters,
     cumulative), "draft_token_calls" (:func:`count_draft_token_calls`, cumulative; None with the engine core in
     another process)}``; spec counters are per phase (differences).
@@ -328,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             convs = [convs[i] for i in phase["prompts"]]
         sampling = {"temperature": phase.get("temperature", 0.0), "top_p": phase.get("top_p", 1.0),
                     "top_k": phase.get("top_k", 0), "extra_args": phase.get("extra_args"), "stop": phase.get("stop")}
+        if phase.get("reset_prefix_cache") and not llm.reset_prefix_cache():
+            raise RuntimeError(f"phase {phase['name']}: the engine kept its prefix cache (blocks still held)")
         if phase.get("faults"):
             llm.collective_rpc(install_faults, args=(phase["faults"],))
         if phase.get("requests") is not None:

@@ -504,9 +504,9 @@ class StepCosts:
         """Whether, at ``batch_size`` requests, the decode steps that verified draft tokens of ``source``
         (:data:`DRAFT_SOURCES`: ``"heads"``, steps some of whose drafts came from the heads; ``"lookup"``, steps
         whose drafts all came from prompt lookup) have not emitted :attr:`margin` (``compare_margin``) more tokens
-        per second than those that verified none (:meth:`step_rates`, :func:`drafts_behind`): what drafting actually returned
-        against what it actually cost, every cost included (the rows' attention over long contexts, the heads,
-        lookup and sampling).
+        per second than those that verified none (:meth:`step_rates`, :func:`drafts_behind`): what drafting
+        actually returned against what it actually cost, every cost included (the rows' attention over long
+        contexts, the heads, lookup and sampling).
 
         Where that is not measured near ``batch_size``, the verdict of the largest smaller batch size that has
         one (:data:`COMPARE_MIN_DRAFTING` and :data:`COMPARE_MIN_PLAIN` steps of its own) stands if it lost: as
@@ -809,9 +809,10 @@ class StepCosts:
         and 55 of those 170 steps drafted (at 10 requests 2 of 31, the rule finding that no draft paid): a token
         of the request that finishes last is worth a step of one request, about 27 ms there, not a plain token of
         ten (5.4 ms). None where that is not :data:`COMPARE_MARGIN` (fixed: the option ``compare_margin`` is the
-        realised comparison's) more than a plain token of the batch now running (``rows_time(batch_size) / batch_size``; so also where nobody is ahead): there every request's
-        token counts about alike, and the rules judge by the batch's tokens per second, the realised comparison
-        included; None where the rows' curve is not measured."""
+        realised comparison's) more than a plain token of the batch now running (``rows_time(batch_size) /
+        batch_size``; so also where nobody is ahead): there every request's token counts about alike, and the rules
+        judge by the batch's tokens per second, the realised comparison included; None where the rows' curve is not
+        measured."""
         if not 1 <= last < batch_size:
             return None
         t_last, t_all = self.rows_time(last), self.rows_time(batch_size)

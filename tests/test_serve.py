@@ -112,14 +112,14 @@ def test_metrics_export_the_fallback_counters(server):
     assert "# TYPE vllm:entmtp_fallbacks_total counter" in text, json.dumps(text[-2000:])
 
 
-def _prefix_cache_hits(server) -> float:
-    """The server's prompt tokens found in its prefix cache so far (``vllm:prefix_cache_hits_total``)."""
-    import re
+def _prefix_cache_hits(server, tp) -> float:
+    """The server's prompt tokens found in its prefix cache so far (``vllm:prefix_cache_hits_total``, summed over
+    engines), read with the load generator's parser (``tp``: ``benchmarks/throughput.py``)."""
     import urllib.request
 
+    name = "vllm:prefix_cache_hits_total"
     with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    return sum(float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M))
+        return sum(tp.parse_metrics(resp.read().decode(), (name,)).get(name, {}).values())
 
 
 def test_the_benchmarks_prefix_cache_reset_makes_a_repeated_prompt_computed_again(server):
@@ -140,13 +140,13 @@ def test_the_benchmarks_prefix_cache_reset_makes_a_repeated_prompt_computed_agai
 
     asyncio.run(reset())
     first = _chat(server, **prompt)
-    before = _prefix_cache_hits(server)
+    before = _prefix_cache_hits(server, tp)
     assert _chat(server, **prompt) == first
-    cached = _prefix_cache_hits(server)
+    cached = _prefix_cache_hits(server, tp)
     assert cached >= before + 128, (before, cached)
     asyncio.run(reset())
     assert _chat(server, **prompt) == first
-    assert _prefix_cache_hits(server) == cached
+    assert _prefix_cache_hits(server, tp) == cached
 
 
 def test_a_minute_of_soak_with_disconnects_and_preemption(server, tmp_path):
